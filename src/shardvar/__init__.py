@@ -1,0 +1,38 @@
+"""shardvar: partitioned variables for PyTorch.
+
+Layers, each importable without the ones above it: ``shardvar.layout`` (pure layout math) ->
+``shardvar.partitioners`` -> ... The public names are re-exported here one by one.
+"""
+
+from ._errors import ShardvarError, ShardvarIndexError, ShardvarTypeError, ShardvarValueError
+from .layout import Layout, SlicePlan, ceil_sizes
+from .partitioners import (
+    FixedShardsPartitioner,
+    MaxSizePartitioner,
+    MinSizePartitioner,
+    Partitioner,
+    PartitionerConfig,
+    fixed_size_partitioner,
+    min_max_variable_partitioner,
+    variable_axis_size_partitioner,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FixedShardsPartitioner",
+    "Layout",
+    "MaxSizePartitioner",
+    "MinSizePartitioner",
+    "Partitioner",
+    "PartitionerConfig",
+    "ShardvarError",
+    "ShardvarIndexError",
+    "ShardvarTypeError",
+    "ShardvarValueError",
+    "SlicePlan",
+    "ceil_sizes",
+    "fixed_size_partitioner",
+    "min_max_variable_partitioner",
+    "variable_axis_size_partitioner",
+]

@@ -1,0 +1,25 @@
+"""Entry point: ``shardvar <command> ...``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from ._plan import add_plan_parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardvar", description="Partitioned variables for PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_plan_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""Layout math: pure functions and frozen values describing how a tensor is split into shards.
+
+Nothing here holds state or touches torch.distributed; every layer above builds on it.
+"""
+
+from ._ids import as_ids, check_ids
+from ._layout import Layout, ceil_sizes, normalise_axis
+from ._slices import SlicePiece, SlicePlan
+from ._strategies import STRATEGIES, Strategy, balanced_sizes, get_strategy, mod_sizes
+
+__all__ = [
+    "Layout",
+    "SlicePiece",
+    "SlicePlan",
+    "STRATEGIES",
+    "Strategy",
+    "as_ids",
+    "balanced_sizes",
+    "ceil_sizes",
+    "check_ids",
+    "get_strategy",
+    "mod_sizes",
+    "normalise_axis",
+]

@@ -1,0 +1,50 @@
+"""Validation of logical ids: integer dtype, inside [0, num_rows)."""
+
+from __future__ import annotations
+
+import torch
+
+from .._errors import ShardvarIndexError, ShardvarTypeError
+
+__all__ = ["as_ids", "check_ids"]
+
+_INTEGER_DTYPES = frozenset(
+    {torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64}
+)
+
+
+def as_ids(ids: object, device: torch.device | str | None = None) -> torch.Tensor:
+    """Turn ids (tensor, list, numpy array or int) into an int64 tensor, refusing non-integers."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype not in _INTEGER_DTYPES:
+            raise ShardvarTypeError(f"ids must be an integer tensor; got dtype {ids.dtype}")
+        t = ids
+    else:
+        if isinstance(ids, bool) or (isinstance(ids, (list, tuple)) and any(isinstance(i, bool) for i in ids)):
+            raise ShardvarTypeError(f"ids must be integers; got booleans in {ids!r}")
+        try:
+            t = torch.as_tensor(ids)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ShardvarTypeError(f"ids must be integers; could not read {ids!r} as a tensor ({e})") from None
+        if t.numel() == 0 and t.dtype not in _INTEGER_DTYPES:
+            t = t.to(torch.int64)  # [] has no dtype of its own; an empty list is a valid empty id list
+        if t.dtype not in _INTEGER_DTYPES:
+            raise ShardvarTypeError(f"ids must be integers; got dtype {t.dtype} from {ids!r}")
+    if device is not None:
+        t = t.to(device)
+    return t.to(torch.int64)
+
+
+def check_ids(ids: torch.Tensor, num_rows: int) -> None:
+    """Raise ShardvarIndexError naming the first id outside [0, num_rows) and where it sits."""
+    if ids.numel() == 0:
+        return
+    bad = (ids < 0) | (ids >= num_rows)
+    if bool(bad.any()):
+        flat = int(torch.nonzero(bad.reshape(-1))[0])
+        value = int(ids.reshape(-1)[flat])
+        if ids.dim() > 1:
+            position = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), ids.shape))
+        else:
+            position = flat
+        raise ShardvarIndexError(f"ids must be in [0, {num_rows}); got {value} at position {position}")

@@ -1,0 +1,24 @@
+"""Shared test helpers: where the conformance cases live."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFORMANCE = ROOT.parent / "shared" / "conformance"
+ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "IndexError": IndexError}
+
+
+def conformance_cases(name: str, keep=lambda case: True) -> list:
+    """The reference cases in ``../shared/conformance/<name>`` as pytest params, one per case.
+
+    When that folder is absent the list holds one skipped param that says so.
+    """
+    path = CONFORMANCE / name
+    if not path.is_file():
+        return [pytest.param(None, marks=pytest.mark.skip(reason=f"conformance cases not found: {path} is absent"))]
+    cases = json.loads(path.read_text())
+    return [pytest.param(c, id=f"{name.removesuffix('.json')}-{i}") for i, c in enumerate(cases) if keep(c)]
