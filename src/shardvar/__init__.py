@@ -16,6 +16,15 @@ from .partitioners import (
     min_max_variable_partitioner,
     variable_axis_size_partitioner,
 )
+from .variables import (
+    ShardedVariable,
+    create_partitioned_variables,
+    embedding_bag,
+    embedding_lookup,
+    embedding_lookup_sparse,
+    safe_embedding_lookup_sparse,
+    shard_tensor,
+)
 
 __version__ = "0.1.0"
 
@@ -26,13 +35,20 @@ __all__ = [
     "MinSizePartitioner",
     "Partitioner",
     "PartitionerConfig",
+    "ShardedVariable",
     "ShardvarError",
     "ShardvarIndexError",
     "ShardvarTypeError",
     "ShardvarValueError",
     "SlicePlan",
     "ceil_sizes",
+    "create_partitioned_variables",
+    "embedding_bag",
+    "embedding_lookup",
+    "embedding_lookup_sparse",
     "fixed_size_partitioner",
     "min_max_variable_partitioner",
+    "safe_embedding_lookup_sparse",
+    "shard_tensor",
     "variable_axis_size_partitioner",
 ]

@@ -1,0 +1,255 @@
+"""``v[key]`` and ``v[key] = x`` with numpy semantics on the logical tensor.
+
+The entry of the key that addresses the sharded axis is resolved against the layout, so only
+the shards it touches are read or written; the rest of the key is applied by torch to the
+rows read. Torch has no negative-step slices, so those are rewritten as flips.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._errors import ShardvarIndexError, ShardvarTypeError, ShardvarValueError
+from ._gather import gather_rows
+
+__all__ = ["getitem", "setitem", "expand_key"]
+
+
+def _to_entry(k: Any) -> Any:
+    if isinstance(k, (np.ndarray, list)):
+        arr = np.asarray(k)
+        if arr.dtype == bool:
+            return torch.as_tensor(arr)
+        if arr.size == 0:
+            return torch.empty(arr.shape, dtype=torch.int64)
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ShardvarTypeError(f"index arrays must hold integers or booleans; got {k!r:.100}")
+        return torch.as_tensor(arr, dtype=torch.int64)
+    if isinstance(k, np.integer):
+        return int(k)
+    if isinstance(k, torch.Tensor) and k.dim() == 0 and k.dtype not in (torch.bool,) and not k.is_floating_point():
+        return int(k)
+    if isinstance(k, torch.Tensor) and (k.is_floating_point() or k.is_complex()):
+        raise ShardvarTypeError(f"index tensors must hold integers or booleans; got dtype {k.dtype}")
+    if k is None or k is Ellipsis or isinstance(k, (int, slice, torch.Tensor)):
+        return k
+    raise ShardvarTypeError(
+        f"unsupported index {k!r:.100}; expected ints, slices, Ellipsis, None, or integer/boolean tensors"
+    )
+
+
+def _dims(entry: Any) -> int:
+    if entry is None:
+        return 0
+    if isinstance(entry, torch.Tensor) and entry.dtype == torch.bool:
+        return entry.dim()
+    return 1
+
+
+def expand_key(key: Any, ndim: int) -> tuple[list[Any], list[int]]:
+    """Entries with Ellipsis expanded and trailing dims filled, and the first dim each entry covers."""
+    if isinstance(key, bool) or (isinstance(key, tuple) and any(isinstance(k, bool) for k in key)):
+        raise ShardvarTypeError("a Python bool is not a supported index on a ShardedVariable; use a boolean tensor")
+    entries = [_to_entry(k) for k in (key if isinstance(key, tuple) else (key,))]
+    if sum(e is Ellipsis for e in entries) > 1:
+        raise ShardvarIndexError("an index can only have a single ellipsis ('...')")
+    used = sum(_dims(e) for e in entries if e is not Ellipsis)
+    if used > ndim:
+        raise ShardvarIndexError(f"too many indices for a variable of {ndim} dimension(s): {used} were indexed")
+    if Ellipsis in entries:
+        at = entries.index(Ellipsis)
+        entries[at : at + 1] = [slice(None)] * (ndim - used)
+    else:
+        entries += [slice(None)] * (ndim - used)
+    starts, dim = [], 0
+    for e in entries:
+        starts.append(dim)
+        dim += _dims(e)
+    return entries, starts
+
+
+def _axis_entry(entries: list[Any], starts: list[int], axis: int) -> int:
+    for i, (e, d) in enumerate(zip(entries, starts, strict=True)):
+        if e is not None and d <= axis < d + _dims(e):
+            return i
+    raise AssertionError("every dimension is covered after expand_key")
+
+
+def _flip_negative_steps(t: torch.Tensor, entries: list[Any], starts: list[int], skip: int) -> torch.Tensor:
+    # x[a:b:-s] == flip(x)[n-1-a : n-1-b : s]: same elements, same order, positive step.
+    for i, (e, d) in enumerate(zip(entries, starts, strict=True)):
+        if i != skip and isinstance(e, slice) and e.step is not None and e.step < 0:
+            n = t.shape[d]
+            start, stop, step = e.indices(n)
+            entries[i] = slice(n - 1 - start, n - 1 - stop, -step)
+            t = t.flip(d)
+    return t
+
+
+def _normalise_int(index: int, size: int, axis: int) -> int:
+    if not -size <= index < size:
+        raise ShardvarIndexError(f"index {index} is out of bounds for axis {axis} with size {size}")
+    return index % size
+
+
+def _normalise_ids(ids: torch.Tensor, size: int, axis: int) -> torch.Tensor:
+    ids = ids.to(torch.int64)
+    bad = (ids < -size) | (ids >= size)
+    if bool(bad.any()):
+        value = int(ids[bad][0])
+        raise ShardvarIndexError(f"index {value} is out of bounds for axis {axis} with size {size}")
+    return torch.where(ids < 0, ids + size, ids)
+
+
+def _read_slice(v, key: slice) -> torch.Tensor:
+    layout, shards, axis = v.layout, v.variables, v.layout.axis
+    plan = layout.decompose_slice(key)
+    parts = []
+    for p in plan.pieces:
+        if p.step > 0:
+            parts.append(
+                shards[p.shard].narrow(axis, p.start, (p.count - 1) * p.step + 1)[_at(axis, slice(None, None, p.step))]
+            )
+        else:
+            low = p.start + (p.count - 1) * p.step
+            parts.append(
+                shards[p.shard].narrow(axis, low, p.start - low + 1)[_at(axis, slice(None, None, -p.step))].flip(axis)
+            )
+    if not parts:
+        return shards[0].narrow(axis, 0, 0)
+    parts = [t.to(v.device) for t in parts]
+    out = torch.cat(parts, dim=axis) if len(parts) > 1 else parts[0]
+    if not plan.in_order:
+        out = out.index_select(axis, torch.argsort(plan.positions(out.device)))
+    return out
+
+
+def _at(axis: int, entry: Any) -> tuple:
+    return (slice(None),) * axis + (entry,)
+
+
+def getitem(v, key: Any) -> torch.Tensor:
+    """``v[key]``: numpy semantics; reads only the shards that ``key`` touches."""
+    layout, axis, size = v.layout, v.layout.axis, v.shape[v.layout.axis]
+    entries, starts = expand_key(key, v.ndim)
+    i = _axis_entry(entries, starts, axis)
+    e = entries[i]
+    if isinstance(e, torch.Tensor) and e.dtype == torch.bool and e.dim() > 1:
+        whole = v.to_tensor()  # a mask over several dims, the sharded one among them, reads every row anyway
+        whole = _flip_negative_steps(whole, entries, starts, -1)
+        return whole[tuple(entries)]
+    if isinstance(e, int):
+        shard, row = layout.locate(torch.tensor([_normalise_int(e, size, axis)]))
+        compact = v.variables[int(shard)].narrow(axis, int(row), 1).to(v.device)
+        entries[i] = 0
+    elif isinstance(e, slice):
+        compact = _read_slice(v, e)
+        entries[i] = slice(None)
+    else:
+        if e.dtype == torch.bool:
+            if e.shape[0] != size:
+                raise ShardvarIndexError(
+                    f"boolean index of length {e.shape[0]} does not match axis {axis} of size {size}"
+                )
+            ids = torch.nonzero(e).squeeze(1)
+        else:
+            ids = _normalise_ids(e, size, axis)
+        rows = gather_rows(v.variables, layout, ids.reshape(-1).to(v.device), check=False)
+        compact = rows.movedim(0, axis) if axis else rows
+        entries[i] = torch.arange(ids.numel(), device=compact.device).reshape(ids.shape)
+    compact = _flip_negative_steps(compact, entries, starts, i)
+    return compact[tuple(entries)]
+
+
+def setitem(v, key: Any, value: Any) -> None:
+    """``v[key] = value``: checks shape and dtype first, then writes only the touched shards."""
+    layout, axis, size = v.layout, v.layout.axis, v.shape[v.layout.axis]
+    entries, starts = expand_key(key, v.ndim)
+    if any(e is None for e in entries):
+        raise ShardvarTypeError("None (newaxis) is not supported in an assignment to a ShardedVariable")
+    i = _axis_entry(entries, starts, axis)
+    e = entries[i]
+    others = [x for j, x in enumerate(entries) if j != i]
+    if any(isinstance(x, torch.Tensor) for x in others):
+        raise ShardvarTypeError(
+            "assignment supports index tensors only on the sharded axis; index other axes with ints or slices"
+        )
+    if isinstance(e, torch.Tensor) and any(isinstance(x, int) for x in others):
+        raise ShardvarTypeError("assignment with ids on the sharded axis needs slices (not ints) on the other axes")
+    if isinstance(e, torch.Tensor) and e.dtype == torch.bool:
+        if e.dim() != 1 or e.shape[0] != size:
+            raise ShardvarIndexError(
+                f"boolean index of shape {list(e.shape)} does not match axis {axis} of size {size}"
+            )
+        e = torch.nonzero(e).squeeze(1)
+    if isinstance(e, torch.Tensor):
+        e = _normalise_ids(e, size, axis).reshape(-1)
+    elif isinstance(e, int):
+        e = _normalise_int(e, size, axis)
+    # The result shape of v[key], without reading: index a broadcast scalar.
+    probe_entries = [
+        _ascending(x, v.shape[d]) if isinstance(x, slice) else x for x, d in zip(entries, starts, strict=True)
+    ]
+    probe_entries[i] = _ascending(e, size) if isinstance(e, slice) else e
+    target = torch.empty((), dtype=torch.bool).expand(v.shape)[tuple(probe_entries)].shape
+    value = _check_value(value, v.dtype, target)
+    out_dim = sum(1 for x in entries[:i] if isinstance(x, slice))  # where the sharded axis lands in the value
+    for j, (x, d) in enumerate(zip(entries, starts, strict=True)):
+        if j != i and isinstance(x, slice) and x.step is not None and x.step < 0:
+            entries[j] = _ascending(x, v.shape[d])
+            value = value.flip(sum(1 for y in entries[:j] if isinstance(y, (slice, torch.Tensor))))
+    shards = v.variables
+    with torch.no_grad():
+        if isinstance(e, int):
+            shard, row = layout.locate(torch.tensor([e]))
+            entries[i] = int(row)
+            shards[int(shard)][tuple(entries)] = value.to(shards[int(shard)].device)
+        elif isinstance(e, slice):
+            plan = layout.decompose_slice(e)
+            for p in plan.pieces:
+                part = value[_at(out_dim, slice(p.out_start, p.out_start + (p.count - 1) * p.out_step + 1, p.out_step))]
+                if p.step > 0:
+                    entries[i] = slice(p.start, p.start + (p.count - 1) * p.step + 1, p.step)
+                else:
+                    low = p.start + (p.count - 1) * p.step
+                    entries[i] = slice(low, p.start + 1, -p.step)
+                    part = part.flip(out_dim)
+                shards[p.shard][tuple(entries)] = part.to(shards[p.shard].device)
+        else:
+            from ._update import last_occurrence, split_by_shard
+
+            keep = last_occurrence(e)
+            e, value = e[keep], value.index_select(out_dim, keep.to(value.device))
+            for s, pos, rows in split_by_shard(layout, e):
+                entries[i] = rows.to(shards[s].device)
+                shards[s][tuple(entries)] = value.index_select(out_dim, pos.to(value.device)).to(shards[s].device)
+
+
+def _ascending(key: slice, size: int) -> slice:
+    """The same elements as ``key``, in ascending order (a negative step reversed)."""
+    start, stop, step = key.indices(size)
+    if step > 0:
+        return slice(start, stop, step)
+    n = len(range(start, stop, step))
+    return slice(start + (n - 1) * step, start + 1, -step) if n else slice(0, 0)
+
+
+def _check_value(value: Any, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+    from ._sharded_variable import ShardedVariable
+
+    if isinstance(value, ShardedVariable):
+        value = value.to_tensor()
+    t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+    if isinstance(value, torch.Tensor) and not torch.can_cast(t.dtype, dtype):
+        raise ShardvarTypeError(f"cannot assign a {t.dtype} value to a {dtype} variable without a lossy cast")
+    if not isinstance(value, torch.Tensor) and not torch.can_cast(t.dtype, dtype) and dtype != torch.bool:
+        raise ShardvarTypeError(f"cannot assign {value!r:.60} to a {dtype} variable")
+    try:
+        return t.to(dtype).broadcast_to(shape)
+    except RuntimeError:
+        raise ShardvarValueError(
+            f"value of shape {list(t.shape)} cannot be assigned to a selection of shape {list(shape)}"
+        ) from None

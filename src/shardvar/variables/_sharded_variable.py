@@ -1,0 +1,272 @@
+"""ShardedVariable: one logical variable made of shards, usable as a tensor.
+
+The class holds the shards and the layout only; indexing, assignment, scatter updates and
+lookups live in their own modules (``_indexing``, ``_update``, ``_lookup``).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._errors import ShardvarTypeError, ShardvarValueError
+from ..layout import Layout, get_strategy, normalise_axis
+from . import _indexing, _update
+
+__all__ = ["ShardedVariable"]
+
+
+def _check_shards(shards: object, axis: int) -> tuple[list[torch.Tensor], int]:
+    if isinstance(shards, torch.Tensor) or not isinstance(shards, Sequence) or not shards:
+        raise ShardvarTypeError(f"shards must be a non-empty list of tensors; got {shards!r:.200}")
+    for i, s in enumerate(shards):
+        if not isinstance(s, torch.Tensor):
+            raise ShardvarTypeError(f"shards must be tensors; got {type(s).__name__} at position {i}")
+    dtypes = [s.dtype for s in shards]
+    if len(set(dtypes)) > 1:
+        raise ShardvarValueError(f"all shards must have the same dtype; got {[str(d) for d in dtypes]}")
+    ndims = {s.dim() for s in shards}
+    if len(ndims) > 1 or 0 in ndims:
+        raise ShardvarValueError(
+            f"shards must have the same number (>= 1) of dimensions; got shapes {[list(s.shape) for s in shards]}"
+        )
+    axis = normalise_axis(axis, shards[0].dim())
+    rest = {(*s.shape[:axis], *s.shape[axis + 1 :]) for s in shards}
+    if len(rest) > 1:
+        raise ShardvarValueError(
+            f"shards must have the same shape except along axis {axis}; got {[list(s.shape) for s in shards]}"
+        )
+    return list(shards), axis
+
+
+class ShardedVariable:
+    """A logical tensor stored as shards split along one axis by a layout.
+
+    >>> v = ShardedVariable([torch.arange(6.).reshape(3, 2), torch.arange(6., 10.).reshape(2, 2)])
+    >>> v.shape, v.layout
+    (torch.Size([5, 2]), Layout(strategy='div', sizes=(3, 2), axis=0))
+    >>> v[1:4:2]
+    tensor([[2., 3.],
+            [6., 7.]])
+    >>> (v + 1).sum()
+    tensor(55.)
+    """
+
+    def __init__(self, shards: Sequence[torch.Tensor], strategy: str = "div", axis: int = 0, name: str | None = None):
+        shards, axis = _check_shards(shards, axis)
+        self._layout = Layout(strategy, tuple(s.shape[axis] for s in shards), axis)
+        self._shards = shards
+        first = shards[0]
+        self._shape = torch.Size((*first.shape[:axis], self._layout.num_rows, *first.shape[axis + 1 :]))
+        self.name = name
+
+    # -- what it is -----------------------------------------------------------------------------
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    @property
+    def variables(self) -> list[torch.Tensor]:
+        """The shard tensors, in shard order (the same objects, not copies)."""
+        return list(self._shards)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._shards[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The first shard's device, where materialised results go."""
+        return self._shards[0].device
+
+    @property
+    def devices(self) -> list[torch.device]:
+        return [s.device for s in self._shards]
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    @property
+    def requires_grad(self) -> bool:
+        return any(s.requires_grad for s in self._shards)
+
+    def dim(self) -> int:
+        return len(self._shape)
+
+    def size(self, dim: int | None = None) -> torch.Size | int:
+        return self._shape if dim is None else self._shape[dim]
+
+    def numel(self) -> int:
+        return math.prod(self._shape)
+
+    def __len__(self) -> int:
+        """The number of shards (iteration yields the shards, as in the reference)."""
+        return len(self._shards)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self._shards)
+
+    def __repr__(self) -> str:
+        devices = sorted({str(d) for d in self.devices})
+        name = f"name={self.name!r}, " if self.name else ""
+        return (
+            f"ShardedVariable({name}shape={list(self._shape)}, dtype={self.dtype}, "
+            f"layout={self._layout}, devices={devices})"
+        )
+
+    # -- materialising --------------------------------------------------------------------------
+    def to_tensor(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """The whole logical tensor (differentiable with respect to the shards)."""
+        device = torch.device(device) if device is not None else self.device
+        axis = self._layout.axis
+        parts = [s.to(device) for s in self._shards]
+        whole = torch.cat(parts, dim=axis) if len(parts) > 1 else parts[0]
+        if get_strategy(self._layout.strategy).contiguous or len(parts) == 1:
+            return whole
+        stored = torch.cat([self._layout.shard_ids(s, device) for s in range(len(parts))])
+        return whole.index_select(axis, torch.argsort(stored))
+
+    read_value = to_tensor
+
+    def numpy(self) -> np.ndarray:
+        return self.to_tensor().detach().cpu().numpy()
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self.numpy()
+        return out if dtype is None else out.astype(dtype)
+
+    # -- acting as a tensor ---------------------------------------------------------------------
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return func(*_materialise(args), **_materialise(kwargs or {}))
+
+    def __bool__(self) -> bool:
+        return bool(self.to_tensor())
+
+    def __float__(self) -> float:
+        return float(self.to_tensor())
+
+    def __int__(self) -> int:
+        return int(self.to_tensor())
+
+    __hash__ = object.__hash__
+
+    def __getitem__(self, key: Any) -> torch.Tensor:
+        return _indexing.getitem(self, key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        _indexing.setitem(self, key, value)
+
+    # -- writes and sparse reads ----------------------------------------------------------------
+    def assign(self, value: Any) -> ShardedVariable:
+        """Overwrite the whole variable with ``value`` (broadcast to its shape)."""
+        _update.assign(self, value, "assign")
+        return self
+
+    def assign_add(self, value: Any) -> ShardedVariable:
+        _update.assign(self, value, "assign_add")
+        return self
+
+    def assign_sub(self, value: Any) -> ShardedVariable:
+        _update.assign(self, value, "assign_sub")
+        return self
+
+    def sparse_read(self, indices: Any) -> torch.Tensor:
+        """Rows ``indices`` (any shape), in the order asked: shape ``indices.shape + row_shape``."""
+        return _update.sparse_read(self, indices)
+
+    def scatter_add(self, indices: Any, updates: Any) -> ShardedVariable:
+        """Add ``updates`` to rows ``indices`` (duplicates accumulate)."""
+        _update.scatter(self, "scatter_add", indices, updates)
+        return self
+
+    def scatter_sub(self, indices: Any, updates: Any) -> ShardedVariable:
+        _update.scatter(self, "scatter_sub", indices, updates)
+        return self
+
+    def scatter_mul(self, indices: Any, updates: Any) -> ShardedVariable:
+        _update.scatter(self, "scatter_mul", indices, updates)
+        return self
+
+    def scatter_div(self, indices: Any, updates: Any) -> ShardedVariable:
+        _update.scatter(self, "scatter_div", indices, updates)
+        return self
+
+    def scatter_min(self, indices: Any, updates: Any) -> ShardedVariable:
+        _update.scatter(self, "scatter_min", indices, updates)
+        return self
+
+    def scatter_max(self, indices: Any, updates: Any) -> ShardedVariable:
+        _update.scatter(self, "scatter_max", indices, updates)
+        return self
+
+    def scatter_update(self, indices: Any, updates: Any) -> ShardedVariable:
+        """Overwrite rows ``indices`` with ``updates``; for a duplicated id the last update wins."""
+        _update.scatter(self, "scatter_update", indices, updates)
+        return self
+
+    def batch_scatter_update(self, indices: Any, updates: Any) -> ShardedVariable:
+        """``scatter_update`` with optional batch dimensions before the sharded axis."""
+        _update.batch_scatter_update(self, indices, updates)
+        return self
+
+
+def _materialise(obj: Any) -> Any:
+    if isinstance(obj, ShardedVariable):
+        return obj.to_tensor()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_materialise(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _materialise(v) for k, v in obj.items()}
+    return obj
+
+
+def _binary(op):
+    def forward(self, other):
+        return op(self.to_tensor(), _materialise(other))
+
+    def reflected(self, other):
+        return op(_materialise(other), self.to_tensor())
+
+    return forward, reflected
+
+
+for _name, _op in {
+    "add": operator.add,
+    "sub": operator.sub,
+    "mul": operator.mul,
+    "truediv": operator.truediv,
+    "floordiv": operator.floordiv,
+    "mod": operator.mod,
+    "pow": operator.pow,
+    "matmul": operator.matmul,
+    "and": operator.and_,
+    "or": operator.or_,
+    "xor": operator.xor,
+}.items():
+    _fwd, _rev = _binary(_op)
+    setattr(ShardedVariable, f"__{_name}__", _fwd)
+    setattr(ShardedVariable, f"__r{_name}__", _rev)
+
+for _name, _op in {
+    "eq": operator.eq,
+    "ne": operator.ne,
+    "lt": operator.lt,
+    "le": operator.le,
+    "gt": operator.gt,
+    "ge": operator.ge,
+}.items():
+    setattr(ShardedVariable, f"__{_name}__", _binary(_op)[0])
+
+for _name, _op in {"neg": operator.neg, "pos": operator.pos, "abs": operator.abs, "invert": operator.invert}.items():
+    setattr(ShardedVariable, f"__{_name}__", lambda self, _op=_op: _op(self.to_tensor()))
