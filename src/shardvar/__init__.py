@@ -6,6 +6,7 @@ Layers, each importable without the ones above it: ``shardvar.layout`` (pure lay
 
 from ._errors import ShardvarError, ShardvarIndexError, ShardvarTypeError, ShardvarValueError
 from .layout import Layout, SlicePlan, ceil_sizes
+from .nn import ShardedEmbedding, ShardedEmbeddingBag
 from .partitioners import (
     FixedShardsPartitioner,
     MaxSizePartitioner,
@@ -35,6 +36,8 @@ __all__ = [
     "MinSizePartitioner",
     "Partitioner",
     "PartitionerConfig",
+    "ShardedEmbedding",
+    "ShardedEmbeddingBag",
     "ShardedVariable",
     "ShardvarError",
     "ShardvarIndexError",

@@ -30,7 +30,7 @@ _MASK_SHARDS = 16  # up to this many shards one boolean mask per shard beats a s
 def rows_2d(shard: torch.Tensor, axis: int) -> torch.Tensor:
     """The shard as ``[rows, width]``: a view when ``axis == 0`` and the shard is contiguous."""
     moved = shard if axis == 0 else shard.movedim(axis, 0)
-    return moved.reshape(moved.shape[0], -1)
+    return moved.reshape(moved.shape[0], math.prod(moved.shape[1:]))
 
 
 def slab_of(shards: list[torch.Tensor], layout: Layout) -> torch.Tensor | None:
@@ -80,7 +80,7 @@ def _slab_rows(layout: Layout, ids: torch.Tensor) -> torch.Tensor:
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids: torch.Tensor, layout: Layout, options: tuple, *shards: torch.Tensor) -> torch.Tensor:
-        padding_idx, sparse, scale_grad_by_freq, out_device = options
+        out_device = options[3]
         ctx.layout, ctx.options = layout, options
         ctx.shard_meta = [(s.shape, s.device, s.dtype) for s in shards]
         ctx.ids = ids

@@ -140,7 +140,7 @@ def getitem(v, key: Any) -> torch.Tensor:
     if isinstance(e, torch.Tensor) and e.dtype == torch.bool and e.dim() > 1:
         whole = v.to_tensor()  # a mask over several dims, the sharded one among them, reads every row anyway
         whole = _flip_negative_steps(whole, entries, starts, -1)
-        return whole[tuple(entries)]
+        return whole[_numpy_style(entries, whole.device)]
     if isinstance(e, int):
         shard, row = layout.locate(torch.tensor([_normalise_int(e, size, axis)]))
         compact = v.variables[int(shard)].narrow(axis, int(row), 1).to(v.device)
@@ -161,7 +161,15 @@ def getitem(v, key: Any) -> torch.Tensor:
         compact = rows.movedim(0, axis) if axis else rows
         entries[i] = torch.arange(ids.numel(), device=compact.device).reshape(ids.shape)
     compact = _flip_negative_steps(compact, entries, starts, i)
-    return compact[tuple(entries)]
+    return compact[_numpy_style(entries, compact.device)]
+
+
+def _numpy_style(entries: list[Any], device: torch.device) -> tuple:
+    # numpy counts an int as an advanced index when another advanced index is present (torch does
+    # not); a one-element index tensor broadcasts like the scalar and gets numpy's result shape.
+    if any(isinstance(e, torch.Tensor) for e in entries):
+        return tuple(torch.tensor([e], device=device) if isinstance(e, int) else e for e in entries)
+    return tuple(entries)
 
 
 def setitem(v, key: Any, value: Any) -> None:

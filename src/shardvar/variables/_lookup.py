@@ -218,7 +218,8 @@ def embedding_bag(
             raise ShardvarValueError(f"per_sample_weights are only supported with mode='sum'; got mode={mode!r}")
         if per_sample_weights.shape != input.shape:
             raise ShardvarValueError(
-                f"per_sample_weights of shape {list(per_sample_weights.shape)} must match input of shape {list(input.shape)}"
+                f"per_sample_weights of shape {list(per_sample_weights.shape)} must match "
+                f"input of shape {list(input.shape)}"
             )
         per_sample_weights = per_sample_weights.reshape(-1)
     if padding_idx is not None:
@@ -254,7 +255,8 @@ def _bag_segments(ids: torch.Tensor, offsets: Any, include_last_offset: bool) ->
     if include_last_offset:
         if int(offsets[-1]) != ids.numel():
             raise ShardvarValueError(
-                f"with include_last_offset=True the last offset must equal len(input)={ids.numel()}; got {int(offsets[-1])}"
+                f"with include_last_offset=True the last offset must equal len(input)={ids.numel()}; "
+                f"got {int(offsets[-1])}"
             )
         offsets = offsets[:-1]
     positions = torch.arange(ids.numel(), device=ids.device)

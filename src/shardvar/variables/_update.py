@@ -164,5 +164,5 @@ def batch_scatter_update(v, indices: Any, updates: Any) -> None:
     with torch.no_grad():
         for s, pos, rows in split_by_shard(v.layout, flat_ids):
             shard = v.variables[s]
-            index = tuple(b.index_select(0, pos).to(shard.device) for b in batch_index) + (rows.to(shard.device),)
+            index = (*(b.index_select(0, pos).to(shard.device) for b in batch_index), rows.to(shard.device))
             shard.index_put_(index, flat_updates.index_select(0, pos.to(flat_updates.device)).to(shard.device))
