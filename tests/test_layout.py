@@ -53,6 +53,13 @@ def test_locate_and_global_ids_are_inverse(layout: Layout, data: st.DataObject) 
 
 
 @given(layouts())
+def test_storage_rows_index_the_concatenated_shards(layout: Layout) -> None:
+    stored = torch.cat([layout.shard_ids(s) for s in range(layout.num_shards)])
+    ids = torch.arange(layout.num_rows)
+    assert torch.equal(stored[layout.storage_rows(ids)], ids)
+
+
+@given(layouts())
 def test_locate_of_shard_ids_is_identity(layout: Layout) -> None:
     for s in range(layout.num_shards):
         shard, row = layout.locate(layout.shard_ids(s))

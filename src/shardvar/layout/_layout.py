@@ -186,6 +186,13 @@ class Layout:
             raise ShardvarIndexError(f"local row must be in [0, {self.sizes[s]}) for shard {s}; got {r}")
         return get_strategy(self.strategy).global_ids(self.sizes, shard, row)
 
+    def storage_rows(self, ids: object, check: bool = True) -> torch.Tensor:
+        """Row of each logical id in the shards concatenated in shard order (their storage order)."""
+        ids = as_ids(ids)
+        if check:
+            check_ids(ids, self.num_rows)
+        return get_strategy(self.strategy).storage_rows(self.sizes, ids)
+
     def shard_ids(self, shard: int, device: torch.device | str | None = None) -> torch.Tensor:
         """The logical ids shard ``shard`` holds, in local row order."""
         if not 0 <= shard < self.num_shards:

@@ -61,6 +61,12 @@ class Strategy:
         """Per-shard pieces of the normalised slice ``range(start, stop, step)``."""
         raise NotImplementedError
 
+    def storage_rows(self, sizes: tuple[int, ...], ids: torch.Tensor) -> torch.Tensor:
+        """Row of each id in the shards concatenated in shard order."""
+        shard, row = self.locate(sizes, ids)
+        _, starts = _ends_and_starts(sizes, ids.device)
+        return starts[shard] + row
+
     def __repr__(self) -> str:
         return f"<strategy {self.name!r}>"
 
@@ -104,6 +110,9 @@ class DivStrategy(Strategy):
     def slice_pieces(self, sizes: tuple[int, ...], start: int, stop: int, step: int) -> list[SlicePiece]:
         return div_slice_pieces(sizes, start, stop, step)
 
+    def storage_rows(self, sizes: tuple[int, ...], ids: torch.Tensor) -> torch.Tensor:
+        return ids  # contiguous shards in order are the logical rows themselves
+
 
 class ModStrategy(Strategy):
     """Id ``i`` lives in shard ``i % n`` at local row ``i // n``."""
@@ -130,6 +139,19 @@ class ModStrategy(Strategy):
 
     def slice_pieces(self, sizes: tuple[int, ...], start: int, stop: int, step: int) -> list[SlicePiece]:
         return mod_slice_pieces(len(sizes), start, stop, step)
+
+    def storage_rows(self, sizes: tuple[int, ...], ids: torch.Tensor) -> torch.Tensor:
+        # Shard s starts at s*q + min(s, r); pure arithmetic (no gather), bit operations when n is a
+        # power of two: this runs on every lookup of a mod table.
+        n = len(sizes)
+        q, r = divmod(sum(sizes), n)
+        if n & (n - 1) == 0:
+            shard, row = ids & (n - 1), ids >> (n.bit_length() - 1)
+        else:
+            row = ids.div(n, rounding_mode="floor")
+            shard = ids - row * n
+        out = shard * q + row
+        return out + shard.clamp(max=r) if r else out
 
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (DivStrategy(), ModStrategy())}

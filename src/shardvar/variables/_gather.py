@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from .._errors import ShardvarValueError
 from ..layout import Layout, check_ids, get_strategy
 
-__all__ = ["gather_rows", "rows_2d", "slab_of", "positions_by_shard"]
+__all__ = ["gather_rows", "rows_2d", "slab_of", "slab_rows", "positions_by_shard"]
 
 _MASK_SHARDS = 16  # up to this many shards one boolean mask per shard beats a sort
 
@@ -69,12 +69,9 @@ def positions_by_shard(shard_of: torch.Tensor, num_shards: int) -> list[torch.Te
     return list(order.split(counts))
 
 
-def _slab_rows(layout: Layout, ids: torch.Tensor) -> torch.Tensor:
-    if get_strategy(layout.strategy).contiguous:
-        return ids  # shards in order are the logical table itself
-    shard, row = get_strategy(layout.strategy).locate(layout.sizes, ids)
-    starts = torch.tensor((0, *layout.sizes[:-1]), device=ids.device).cumsum(0)
-    return starts[shard] + row
+def slab_rows(layout: Layout, ids: torch.Tensor) -> torch.Tensor:
+    """Row of the slab (shards back to back, in shard order) that holds each logical id."""
+    return get_strategy(layout.strategy).storage_rows(layout.sizes, ids)
 
 
 class _Gather(torch.autograd.Function):
@@ -86,7 +83,7 @@ class _Gather(torch.autograd.Function):
         ctx.ids = ids
         slab = slab_of(list(shards), layout)
         if slab is not None:
-            rows = _slab_rows(layout, ids.to(slab.device))
+            rows = slab_rows(layout, ids.to(slab.device))
             ctx.slab_rows = rows
             return F.embedding(rows, slab).to(out_device)
         ctx.slab_rows = None

@@ -14,7 +14,7 @@ import torch
 
 from .._errors import ShardvarTypeError, ShardvarValueError
 from ..layout import Layout, as_ids, check_ids, get_strategy
-from ._gather import gather_rows, positions_by_shard, slab_of
+from ._gather import gather_rows, positions_by_shard, slab_of, slab_rows
 
 __all__ = ["assign", "scatter", "sparse_read", "split_by_shard", "last_occurrence", "SCATTER_OPS"]
 
@@ -125,9 +125,10 @@ def scatter(v, op: str, indices: Any, updates: Any) -> None:
     shards = v.variables
     with torch.no_grad():
         slab = slab_of(shards, layout)
-        if slab is not None and get_strategy(layout.strategy).contiguous:
+        if slab is not None:
             # Shards that are consecutive pieces of one allocation: one op on the whole table.
-            apply(slab.view(layout.num_rows, *row_shape), ids.to(slab.device), updates.to(slab.device))
+            rows = slab_rows(layout, ids.to(slab.device))
+            apply(slab.view(layout.num_rows, *row_shape), rows, updates.to(slab.device))
             return
         for s, pos, rows in split_by_shard(layout, ids):
             target = shards[s] if layout.axis == 0 else shards[s].movedim(layout.axis, 0)
