@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import compare, print_table, zipf_ids  # noqa: E402
+from _common import compare, print_table, zipf_ids
 
-import shardvar  # noqa: E402
-from shardvar import Layout, ShardedVariable  # noqa: E402
+import shardvar
+from shardvar import Layout, ShardedVariable
 
 
 def main() -> None:
