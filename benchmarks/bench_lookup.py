@@ -53,7 +53,9 @@ def main() -> None:
             rows.append(["embedding_lookup", label, f"{t:.1f}", f"{base:.1f}", f"{t / base:.2f}x"])
             target = table.clone()
             t, base = compare(
-                lambda v=v: v.scatter_add(ids, updates), lambda: target.index_add_(0, ids, updates), args.repeats
+                lambda v=v: v.scatter_add(ids, updates),
+                lambda target=target: target.index_add_(0, ids, updates),
+                args.repeats,
             )
             rows.append(["scatter_add", label, f"{t:.1f}", f"{base:.1f}", f"{t / base:.2f}x"])
     print_table(["op", "layout", "sharded ms", "unsharded ms", "ratio"], rows)
