@@ -53,6 +53,13 @@ def test_locate_and_global_ids_are_inverse(layout: Layout, data: st.DataObject) 
 
 
 @given(layouts())
+def test_shard_progressions_describe_shard_ids(layout: Layout) -> None:
+    for s in range(layout.num_shards):
+        start, step, count = layout.shard_progression(s)
+        assert torch.equal(layout.shard_ids(s), start + step * torch.arange(count))
+
+
+@given(layouts())
 def test_storage_rows_index_the_concatenated_shards(layout: Layout) -> None:
     stored = torch.cat([layout.shard_ids(s) for s in range(layout.num_shards)])
     ids = torch.arange(layout.num_rows)

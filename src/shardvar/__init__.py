@@ -5,6 +5,7 @@ Layers, each importable without the ones above it: ``shardvar.layout`` (pure lay
 """
 
 from ._errors import ShardvarError, ShardvarIndexError, ShardvarTypeError, ShardvarValueError
+from .checkpoint import CheckpointError, load, read_shard, reshard, save
 from .layout import Layout, SlicePlan, ceil_sizes
 from .nn import ShardedEmbedding, ShardedEmbeddingBag
 from .partitioners import (
@@ -30,6 +31,7 @@ from .variables import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "FixedShardsPartitioner",
     "Layout",
     "MaxSizePartitioner",
@@ -50,8 +52,12 @@ __all__ = [
     "embedding_lookup",
     "embedding_lookup_sparse",
     "fixed_size_partitioner",
+    "load",
     "min_max_variable_partitioner",
+    "read_shard",
+    "reshard",
     "safe_embedding_lookup_sparse",
+    "save",
     "shard_tensor",
     "variable_axis_size_partitioner",
 ]

@@ -193,6 +193,13 @@ class Layout:
             check_ids(ids, self.num_rows)
         return get_strategy(self.strategy).storage_rows(self.sizes, ids)
 
+    def shard_progression(self, shard: int) -> tuple[int, int, int]:
+        """(start, step, count): shard ``shard`` holds logical indices ``start + step * i``, i < count."""
+        if not 0 <= shard < self.num_shards:
+            raise ShardvarIndexError(f"shard must be in [0, {self.num_shards}); got {shard}")
+        start, step = get_strategy(self.strategy).progression(self.sizes, shard)
+        return start, step, self.sizes[shard]
+
     def shard_ids(self, shard: int, device: torch.device | str | None = None) -> torch.Tensor:
         """The logical ids shard ``shard`` holds, in local row order."""
         if not 0 <= shard < self.num_shards:

@@ -61,6 +61,10 @@ class Strategy:
         """Per-shard pieces of the normalised slice ``range(start, stop, step)``."""
         raise NotImplementedError
 
+    def progression(self, sizes: tuple[int, ...], shard: int) -> tuple[int, int]:
+        """(first logical index, step) of the indices shard ``shard`` holds, in local order."""
+        raise NotImplementedError
+
     def storage_rows(self, sizes: tuple[int, ...], ids: torch.Tensor) -> torch.Tensor:
         """Row of each id in the shards concatenated in shard order."""
         shard, row = self.locate(sizes, ids)
@@ -110,6 +114,9 @@ class DivStrategy(Strategy):
     def slice_pieces(self, sizes: tuple[int, ...], start: int, stop: int, step: int) -> list[SlicePiece]:
         return div_slice_pieces(sizes, start, stop, step)
 
+    def progression(self, sizes: tuple[int, ...], shard: int) -> tuple[int, int]:
+        return sum(sizes[:shard]), 1
+
     def storage_rows(self, sizes: tuple[int, ...], ids: torch.Tensor) -> torch.Tensor:
         return ids  # contiguous shards in order are the logical rows themselves
 
@@ -139,6 +146,9 @@ class ModStrategy(Strategy):
 
     def slice_pieces(self, sizes: tuple[int, ...], start: int, stop: int, step: int) -> list[SlicePiece]:
         return mod_slice_pieces(len(sizes), start, stop, step)
+
+    def progression(self, sizes: tuple[int, ...], shard: int) -> tuple[int, int]:
+        return shard, len(sizes)
 
     def storage_rows(self, sizes: tuple[int, ...], ids: torch.Tensor) -> torch.Tensor:
         # Shard s starts at s*q + min(s, r); pure arithmetic (no gather), bit operations when n is a

@@ -66,6 +66,10 @@ class _ShardedTable(nn.Module):
         """The table as one ShardedVariable over this module's shard parameters."""
         return ShardedVariable(list(self.shards), strategy=self.layout.strategy, name="weight")
 
+    def sharded_variables(self) -> dict[str, ShardedVariable]:
+        """The module's sharded parameters by local name (checkpoints store each as one variable)."""
+        return {"weight": self.weight}
+
     def _renorm(self, ids: torch.Tensor) -> None:
         # nn.Embedding's max_norm rewrites the looked-up rows in place; so do we, shard by shard.
         with torch.no_grad():

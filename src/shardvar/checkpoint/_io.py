@@ -1,0 +1,393 @@
+"""save, load, read_shard and reshard: checkpoints of logical variables.
+
+A save writes its data files under fresh names, fsyncs them, then atomically replaces
+``manifest.json`` (the commit point) and only afterwards deletes the previous save's files: a
+crash at any moment leaves the old or the new checkpoint, complete. A load checks every target
+against the manifest before writing any, and restores each target shard in its own layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._errors import ShardvarTypeError
+from ..layout import Layout, get_strategy
+from ..variables import ShardedVariable
+from ._manifest import MANIFEST, CheckpointError, Manifest, Piece, VariableEntry
+from ._restore import Files, _check_file, restore_shard, verify_shard
+from ._safetensors import FileWriter
+from ._state import State, optimizer_param_names, resolve
+
+__all__ = ["save", "load", "read_shard", "reshard", "Progress"]
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+FILE_BYTES = 1 << 30  # roll over to a new data file past this size
+STAGING_BYTES = 256 << 20
+_OURS = re.compile(r"^(data-[0-9a-f]+-\d+\.safetensors|manifest\.json\.tmp-[0-9a-f]+)$")
+_JSON = (int, float, bool, str, type(None))
+
+
+def _json_value(v: Any) -> Any:
+    if isinstance(v, _JSON):
+        return v
+    if isinstance(v, (list, tuple)) and all(isinstance(x, _JSON) for x in v):
+        return list(v)
+    return None
+
+
+@dataclass
+class _Entry:
+    """One logical variable to write: its layout, and the tensors (or producers) of its pieces."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    layout: Layout | None
+    shard_shapes: list[tuple[int, ...]]
+    produce: Callable[[int], torch.Tensor]
+
+
+def _entry_of(name: str, value: ShardedVariable | torch.Tensor) -> _Entry:
+    if isinstance(value, ShardedVariable):
+        shards = value.variables
+        return _Entry(
+            name, value.dtype, tuple(value.shape), value.layout, [tuple(s.shape) for s in shards], lambda s: shards[s]
+        )
+    layout = Layout("div", (value.shape[0],)) if value.dim() else None
+    return _Entry(name, value.dtype, tuple(value.shape), layout, [tuple(value.shape)], lambda s: value)
+
+
+def _optimizer_entries(state: State, key: str, optimizer: torch.optim.Optimizer) -> tuple[list[_Entry], dict]:
+    entries: dict[str, ShardedVariable | torch.Tensor] = {}
+    scalars: dict[str, Any] = {}
+    sharded_slots: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for p in (p for g in optimizer.param_groups for p in g["params"]):
+        param_state = optimizer.state.get(p, {})
+        owner = state.shard_of.get(id(p))
+        for slot, value in param_state.items():
+            if owner is not None and isinstance(value, torch.Tensor) and value.shape == p.shape:
+                sharded_slots.setdefault((owner[0], slot), {})[owner[1]] = value
+                continue
+            name = owner[0] if owner else state.param_name.get(id(p))
+            if name is None:
+                continue
+            if isinstance(value, torch.Tensor):
+                entries.setdefault(f"{key}/{name}/{slot}", value.detach())
+            elif _json_value(value) is not None or value is None:
+                scalars.setdefault(f"{name}/{slot}", _json_value(value))
+    for (name, slot), by_shard in sharded_slots.items():
+        variable = state.variables[name]
+        # A shard the optimizer never stepped has no slot yet: it holds zeros, as fresh state does.
+        slots = [by_shard.get(s, torch.zeros_like(shard)).detach() for s, shard in enumerate(variable.variables)]
+        entries[f"{key}/{name}/{slot}"] = ShardedVariable(
+            slots, strategy=variable.layout.strategy, axis=variable.layout.axis
+        )
+    groups = [
+        {**{k: _json_value(v) for k, v in g.items() if k != "params"}, "params": names}
+        for g, names in zip(optimizer.param_groups, optimizer_param_names(state, optimizer), strict=True)
+    ]
+    return [_entry_of(n, v) for n, v in entries.items()], {"param_groups": groups, "scalars": scalars}
+
+
+def _write(directory: Path, entries: list[_Entry], extra: dict, progress: Progress | None) -> None:
+    """Write ``entries`` as a new save in ``directory`` and commit it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    save_id = uuid.uuid4().hex[:16]
+    total = sum(math_prod(s) * e.dtype.itemsize for e in entries for s in e.shard_shapes)
+    files: list[list[tuple[_Entry, int]]] = [[]]
+    size = 0
+    for e in entries:
+        for s, shape in enumerate(e.shard_shapes):
+            nbytes = math_prod(shape) * e.dtype.itemsize
+            if size and size + nbytes > FILE_BYTES:
+                files.append([])
+                size = 0
+            files[-1].append((e, s))
+            size += nbytes
+    pieces: dict[str, list[Piece]] = {e.name: [] for e in entries}
+    done = 0
+    for k, members in enumerate(files):
+        file_name = f"data-{save_id}-{k:05d}.safetensors"
+        writer = FileWriter(
+            str(directory / file_name), [(f"{e.name}#{s}", e.shard_shapes[s], e.dtype) for e, s in members]
+        )
+        for e, s in members:
+            stored = writer.write(f"{e.name}#{s}", e.produce(s))
+            start, step, count = e.layout.shard_progression(s) if e.layout else (0, 1, 1)
+            pieces[e.name].append(
+                Piece(
+                    file_name,
+                    stored.key,
+                    start,
+                    step,
+                    count,
+                    stored.shape,
+                    stored.chunk_rows,
+                    stored.crc32,
+                    stored.begin,
+                )
+            )
+            done += math_prod(stored.shape) * e.dtype.itemsize
+            if progress:
+                progress(done, total)
+        writer.close()
+    variables = {e.name: VariableEntry(e.name, e.dtype, e.shape, e.layout, tuple(pieces[e.name])) for e in entries}
+    _commit(directory, Manifest(variables, extra, save_id), save_id)
+
+
+def math_prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _commit(directory: Path, manifest: Manifest, save_id: str) -> None:
+    _fsync_dir(directory)  # the data files' names are durable before the manifest names them
+    tmp = directory / f"{MANIFEST}.tmp-{save_id}"
+    with open(tmp, "w") as f:
+        f.write(manifest.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / MANIFEST)
+    _fsync_dir(directory)
+    keep = manifest.files()
+    for path in directory.iterdir():
+        if _OURS.match(path.name) and path.name not in keep:
+            path.unlink(missing_ok=True)  # the previous save's files, or leftovers of a crashed one
+
+
+def save(state_dict: dict[str, Any], path: str | os.PathLike, *, progress: Progress | None = None) -> None:
+    """Save ShardedVariables, tensors, modules and optimizers as logical variables under ``path``.
+
+    >>> import tempfile
+    >>> v = ShardedVariable([torch.zeros(2, 3), torch.ones(2, 3)])
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     save({"table": v}, d)
+    ...     w = ShardedVariable([torch.empty(3, 3), torch.empty(1, 3)])   # another layout
+    ...     load({"table": w}, d)
+    ...     w.to_tensor()[:, 0].tolist()
+    [0.0, 0.0, 1.0, 1.0]
+    """
+    directory = Path(path)
+    if directory.exists() and not directory.is_dir():
+        raise CheckpointError(f"checkpoint path {directory} exists and is not a directory")
+    state = resolve(state_dict)
+    entries = [_entry_of(name, value) for name, value in state.variables.items()]
+    extra: dict[str, Any] = {"optimizers": {}}
+    for key, optimizer in state.optimizers.items():
+        more, info = _optimizer_entries(state, key, optimizer)
+        entries += more
+        extra["optimizers"][key] = info
+    _write(directory, entries, extra, progress)
+
+
+@dataclass(eq=False)
+class _Target:
+    entry: VariableEntry
+    layout: Layout | None  # None: restore the whole variable
+    dests: list[tuple[int, torch.Tensor | None]]  # (shard, tensor to fill, or None for a new one)
+
+
+def _lookup(manifest: Manifest, name: str, directory: Path) -> VariableEntry:
+    entry = manifest.variables.get(name)
+    if entry is None:
+        near = [n for n in manifest.variables if n.split("/")[0] == name.split("/")[0]][:5]
+        raise CheckpointError(f"variable {name!r} is not in the checkpoint {directory}; it holds e.g. {near}")
+    return entry
+
+
+def _match(entry: VariableEntry, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if entry.shape != shape or entry.dtype != dtype:
+        raise CheckpointError(
+            f"variable {entry.name!r} was saved as {entry.dtype} {list(entry.shape)}; the target is {dtype} {list(shape)}"
+        )
+
+
+def _plan(manifest: Manifest, state: State, directory: Path) -> tuple[list[_Target], dict]:
+    targets = []
+    for name, value in state.variables.items():
+        entry = _lookup(manifest, name, directory)
+        _match(entry, value.dtype, tuple(value.shape))
+        if isinstance(value, ShardedVariable):
+            targets.append(_Target(entry, value.layout, list(enumerate(value.variables))))
+        else:
+            targets.append(_Target(entry, None, [(0, value)]))
+    optimizer_plans = {}
+    saved_optimizers = manifest.extra.get("optimizers", {})
+    for key, optimizer in state.optimizers.items():
+        if key not in saved_optimizers:
+            raise CheckpointError(f"optimizer {key!r} is not in the checkpoint {directory}")
+        saved = saved_optimizers[key]
+        if len(saved["param_groups"]) != len(optimizer.param_groups):
+            raise CheckpointError(
+                f"optimizer {key!r} has {len(optimizer.param_groups)} param groups; the checkpoint has {len(saved['param_groups'])}"
+            )
+        slots: dict[int, dict[str, Any]] = {}
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for i, p in enumerate(params):
+            owner = state.shard_of.get(id(p))
+            pname = owner[0] if owner else state.param_name.get(id(p), f"param{i}")
+            prefix = f"{key}/{pname}/"
+            for var_name, entry in manifest.variables.items():
+                if not var_name.startswith(prefix):
+                    continue
+                slot = var_name[len(prefix) :]
+                if owner is not None and entry.shape == tuple(owner[2].shape):
+                    target = _Target(entry, owner[2].layout, [(owner[1], None)])
+                else:
+                    target = _Target(entry, None, [(0, None)])
+                targets.append(target)
+                slots.setdefault(i, {})[slot] = target
+            for name, value in saved.get("scalars", {}).items():
+                if name.startswith(f"{pname}/"):
+                    slots.setdefault(i, {})[name[len(pname) + 1 :]] = value
+        optimizer_plans[key] = (slots, saved["param_groups"])
+    return targets, optimizer_plans
+
+
+def load(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike,
+    *,
+    staging_bytes: int = STAGING_BYTES,
+    progress: Progress | None = None,
+) -> None:
+    """Fill the objects of ``state_dict`` from the checkpoint at ``path``, each in its own layout.
+
+    Everything is checked (names, shapes, dtypes, files, and the checksums of every byte needed)
+    before any target is written, so a failing load leaves every object as it was. Targets up to
+    ``staging_bytes`` in total are read once into staging tensors; larger ones are verified in a
+    first pass and then restored shard by shard, so memory stays bounded by the largest shard.
+    """
+    directory = Path(path)
+    manifest = Manifest.read(directory)
+    state = resolve(state_dict)
+    targets, optimizer_plans = _plan(manifest, state, directory)
+    with Files(directory) as files:
+        for t in targets:
+            for piece in t.entry.pieces:
+                _check_file(files, t.entry, piece)
+        total = sum(t.entry.nbytes for t in targets)
+        staged: dict[int, list[torch.Tensor]] = {}
+        done = 0
+        fresh_only = all(d is None for t in targets for _, d in t.dests)
+        if total <= staging_bytes or fresh_only:
+            for i, t in enumerate(targets):
+                staged[i] = [restore_shard(files, t.entry, t.layout, s) for s, _ in t.dests]
+                done += t.entry.nbytes
+                if progress:
+                    progress(done, total)
+        else:
+            for i, t in enumerate(targets):
+                if any(d is None for _, d in t.dests):
+                    staged[i] = [restore_shard(files, t.entry, t.layout, s) for s, _ in t.dests]
+                else:
+                    for s, _ in t.dests:
+                        verify_shard(files, t.entry, t.layout, s)
+        # Everything needed has been read and verified: write the targets.
+        with torch.no_grad():
+            for i, t in enumerate(targets):
+                for k, (s, dest) in enumerate(t.dests):
+                    if dest is None:
+                        continue
+                    value = staged[i][k] if i in staged else restore_shard(files, t.entry, t.layout, s)
+                    dest.copy_(value.reshape(dest.shape))
+                    if i not in staged and progress:
+                        done += value.numel() * value.element_size()
+                        progress(done, total)
+    for key, optimizer in state.optimizers.items():
+        slots, saved_groups = optimizer_plans[key]
+        new_state = {}
+        for i, by_slot in slots.items():
+            new_state[i] = {}
+            for slot, value in by_slot.items():
+                if isinstance(value, _Target):
+                    value = staged[targets.index(value)][0]
+                new_state[i][slot] = value
+        groups = []
+        for current, saved in zip(optimizer.state_dict()["param_groups"], saved_groups, strict=True):
+            merged = {**current, **{k: v for k, v in saved.items() if k != "params" and v is not None}}
+            if isinstance(current.get("betas"), tuple) and "betas" in saved:
+                merged["betas"] = tuple(saved["betas"])
+            merged["params"] = current["params"]
+            groups.append(merged)
+        optimizer.load_state_dict({"state": new_state, "param_groups": groups})
+
+
+def read_shard(path: str | os.PathLike, name: str, layout: Layout | None = None, shard: int = 0) -> torch.Tensor:
+    """One shard of variable ``name`` in ``layout`` (default: the whole variable), as a new tensor.
+
+    Reads only the chunks that shard needs: memory is bounded by the shard, not the variable.
+    """
+    directory = Path(path)
+    manifest = Manifest.read(directory)
+    entry = _lookup(manifest, name, directory)
+    if layout is not None:
+        layout.check_shape(entry.shape)
+    with Files(directory) as files:
+        return restore_shard(files, entry, layout, shard)
+
+
+def reshard(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    num_shards: int,
+    strategy: str = "div",
+    *,
+    progress: Progress | None = None,
+) -> None:
+    """Rewrite checkpoint ``src`` into ``dst`` with every variable in ``num_shards`` shards.
+
+    Each target shard is restored from ``src`` and written before the next is read, so memory
+    stays bounded by the largest target shard; ``src`` is only read.
+    """
+    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+        raise ShardvarTypeError(f"num_shards must be an int >= 1; got {num_shards!r}")
+    get_strategy(strategy)  # refuse an unknown strategy before reading anything
+    src, dst = Path(src), Path(dst)
+    if src.resolve() == dst.resolve():
+        raise CheckpointError(f"reshard writes a new checkpoint; src and dst are both {src}")
+    manifest = Manifest.read(src)
+    entries = []
+    files = Files(src)
+    for entry in manifest.variables.values():
+        if entry.layout is None:
+            layout = None
+            shapes = [entry.shape]
+        else:
+            rows = entry.shape[entry.layout.axis]
+            n = min(num_shards, max(rows, 1))
+            layout = Layout(strategy, get_strategy(strategy).sizes(rows, n), entry.layout.axis)
+            shapes = layout.shard_shapes(entry.shape)
+        entries.append(
+            _Entry(
+                entry.name,
+                entry.dtype,
+                entry.shape,
+                layout,
+                shapes,
+                lambda s, e=entry, lay=layout: restore_shard(files, e, lay, s),
+            )
+        )
+    try:
+        _write(dst, entries, json.loads(json.dumps(manifest.extra)), progress)
+    finally:
+        files.close()

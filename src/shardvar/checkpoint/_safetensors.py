@@ -1,0 +1,165 @@
+"""Reading and writing the safetensors container, row chunk by row chunk.
+
+The format (https://github.com/huggingface/safetensors): an 8-byte little-endian header length,
+a JSON header mapping each tensor name to dtype, shape and data offsets, then the raw bytes.
+Writing streams each tensor and computes one crc32 per chunk of rows; reading fetches only the
+chunks asked for, with plain ``readinto`` (no mmap, so the address space stays small).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import torch
+
+__all__ = ["DTYPE_CODES", "CHUNK_BYTES", "FileWriter", "StoredTensor", "write_tensors", "read_header", "read_chunks"]
+
+CHUNK_BYTES = 4 << 20  # checksum granularity: partial reads verify exactly the chunks they touch
+
+DTYPE_CODES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
+}
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor's bytes lie and the crc32 of each chunk of ``chunk_rows`` rows."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    begin: int  # byte offset of the data in the file
+    chunk_rows: int
+    crc32: tuple[int, ...]
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.shape[1:]) * self.dtype.itemsize if self.shape else self.dtype.itemsize
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+
+def chunk_rows_for(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    row_bytes = (math.prod(shape[1:]) if shape else 1) * dtype.itemsize
+    return max(1, CHUNK_BYTES // max(row_bytes, 1))
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    flat = t.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return memoryview(flat.contiguous().view(torch.uint8).numpy())
+
+
+class FileWriter:
+    """Streams tensors into one safetensors file whose header (names, shapes, dtypes) is known up front."""
+
+    def __init__(self, path: str, layout: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+        header: dict[str, object] = {}
+        offset = 0
+        for key, shape, dtype in layout:
+            nbytes = math.prod(shape) * dtype.itemsize
+            header[key] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self._start = 8 + len(raw)
+        self._pending = list(layout)
+        self._header = header
+        self._file = open(path, "wb")  # noqa: SIM115 (closed in close())
+        self._file.write(struct.pack("<Q", len(raw)))
+        self._file.write(raw)
+        self.stored: list[StoredTensor] = []
+
+    def write(self, key: str, t: torch.Tensor) -> StoredTensor:
+        """Append the next tensor; it must be the next one of the header, with its shape and dtype."""
+        expected_key, shape, dtype = self._pending.pop(0)
+        if (key, tuple(t.shape), t.dtype) != (expected_key, shape, dtype):
+            raise ValueError(
+                f"expected tensor {expected_key!r} {list(shape)} {dtype}; got {key!r} {list(t.shape)} {t.dtype}"
+            )
+        chunk_rows = chunk_rows_for(shape, dtype)
+        data = _bytes_of(t)
+        step = max(1, chunk_rows * (len(data) // max(shape[0], 1) if shape else len(data)))
+        crcs = []
+        for i in range(0, max(len(data), 1), step):
+            piece = data[i : i + step]
+            crcs.append(zlib.crc32(piece))
+            self._file.write(piece)
+        begin = self._start + self._header[key]["data_offsets"][0]  # type: ignore[index]
+        stored = StoredTensor(key, shape, dtype, begin, chunk_rows, tuple(crcs))
+        self.stored.append(stored)
+        return stored
+
+    def close(self) -> None:
+        if self._pending:
+            raise ValueError(f"{len(self._pending)} tensors of the header were never written")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+
+
+def write_tensors(path: str, tensors: list[tuple[str, torch.Tensor]]) -> list[StoredTensor]:
+    """Write ``tensors`` as one safetensors file, fsync it, and return where each one lies."""
+    writer = FileWriter(path, [(k, tuple(t.shape), t.dtype) for k, t in tensors])
+    for key, t in tensors:
+        writer.write(key, t)
+    writer.close()
+    return writer.stored
+
+
+def read_header(f: BinaryIO, file_size: int) -> tuple[dict, int]:
+    """The JSON header and where the data starts; ValueError on anything malformed."""
+    head = f.read(8)
+    if len(head) != 8:
+        raise ValueError("file is shorter than the 8-byte safetensors header length")
+    (n,) = struct.unpack("<Q", head)
+    if n > file_size - 8 or n > 100 << 20:
+        raise ValueError(f"safetensors header length {n} does not fit a file of {file_size} bytes")
+    header = json.loads(f.read(n))
+    if not isinstance(header, dict):
+        raise ValueError("safetensors header is not a JSON object")
+    return header, 8 + n
+
+
+def read_chunks(f: BinaryIO, stored: StoredTensor, first: int, last: int, verify: bool = True) -> torch.Tensor:
+    """Rows of chunks ``first..last`` (inclusive) of ``stored``, each chunk's crc32 checked."""
+    row_bytes = stored.row_bytes
+    start_row = first * stored.chunk_rows
+    stop_row = min(stored.rows, (last + 1) * stored.chunk_rows)
+    nbytes = (stop_row - start_row) * row_bytes
+    buffer = bytearray(nbytes)
+    f.seek(stored.begin + start_row * row_bytes)
+    got = f.readinto(buffer)
+    if got != nbytes:
+        raise ValueError(f"tensor {stored.key!r} is truncated: wanted {nbytes} bytes at chunk {first}, read {got}")
+    if verify:
+        view = memoryview(buffer)
+        step = stored.chunk_rows * row_bytes
+        for i, c in enumerate(range(first, last + 1)):
+            if zlib.crc32(view[i * step : (i + 1) * step]) != stored.crc32[c]:
+                raise ValueError(
+                    f"checksum mismatch in tensor {stored.key!r}, rows {c * stored.chunk_rows}.. (chunk {c})"
+                )
+    if nbytes == 0:
+        return torch.empty((0, *stored.shape[1:]), dtype=stored.dtype)
+    flat = torch.frombuffer(buffer, dtype=stored.dtype)
+    return flat.reshape(stop_row - start_row, *stored.shape[1:]) if stored.shape else flat.reshape(())
