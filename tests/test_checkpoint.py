@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -23,7 +24,7 @@ def layouts_for(draw, rows: int, axis: int):
     if kind == "explicit":
         cuts = sorted(draw(st.lists(st.integers(0, rows), max_size=4)))
         edges = [0, *cuts, rows]
-        return Layout.explicit([b - a for a, b in zip(edges, edges[1:], strict=False)], axis)
+        return Layout.explicit([b - a for a, b in itertools.pairwise(edges)], axis)
     return getattr(Layout, kind)(rows, n, axis)
 
 
@@ -47,6 +48,8 @@ def test_restore_into_any_layout(tmp_path, data) -> None:
     assert torch.equal(plain, full)
     for s in range(dst.num_shards):
         assert torch.equal(shardvar.read_shard(directory, "v", dst, s), target.variables[s])
+    for got, want in zip(shardvar.checkpoint.read_shards(directory, "v", dst), target.variables, strict=True):
+        assert torch.equal(got, want)
 
 
 def test_plain_tensor_to_shards_and_back(tmp_path) -> None:
@@ -234,10 +237,14 @@ def test_resave_replaces_the_files_and_keeps_foreign_ones(tmp_path) -> None:
     first = {p.name for p in tmp_path.iterdir()}
     shardvar.save({"x": torch.zeros(2)}, tmp_path)
     second = {p.name for p in tmp_path.iterdir()}
-    assert "notes.txt" in second and len(second) == 3 and first != second
+    assert "notes.txt" in second and first != second
+    assert sum(n.startswith("spare-") for n in second) == 1  # the first save's file, kept for reuse
+    shardvar.save({"x": torch.full((2,), 5.0)}, tmp_path, keep_spare=False)
+    third = {p.name for p in tmp_path.iterdir()}
+    assert len(third) == 3 and not any(n.startswith("spare-") for n in third)
     x = torch.ones(2)
     shardvar.load({"x": x}, tmp_path)
-    assert x.tolist() == [0.0, 0.0]
+    assert x.tolist() == [5.0, 5.0]
 
 
 def test_reshard(tmp_path) -> None:
@@ -263,3 +270,19 @@ def test_bad_state_dicts(tmp_path) -> None:
     (tmp_path / "file").write_text("")
     with pytest.raises(CheckpointError, match="is not a directory"):
         shardvar.save({"x": torch.ones(1)}, tmp_path / "file")
+
+
+def test_the_format_doc_reads_a_checkpoint_without_shardvar(tmp_path, monkeypatch) -> None:
+    import re
+
+    from conftest import ROOT
+
+    doc = (ROOT / "docs" / "checkpoint-format.md").read_text()
+    block = re.search(r"## Reading a variable without shardvar\n\n```python\n(.*?)```", doc, re.S).group(1)
+    model = nn.Module()
+    model.emb = shardvar.ShardedEmbedding(50, 4, partitioner=3, partition_strategy="mod")
+    shardvar.save({"model": model}, tmp_path / "ckpt")
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(block, "checkpoint-format.md", "exec"), namespace)
+    assert torch.equal(torch.from_numpy(namespace["out"]), model.emb.weight.to_tensor().detach())

@@ -34,3 +34,46 @@ def test_plan_bad_arguments_exit_with_a_message() -> None:
     assert out.returncode == 2 and "bad shape '10,x'" in out.stderr
     with pytest.raises(SystemExit, match="axis 5 is out of range"):
         main(["plan", "--shape", "10,3", "--axis", "5"])
+
+
+def test_inspect_and_reshard(tmp_path) -> None:
+    import torch
+
+    import shardvar
+
+    shardvar.save(
+        {"emb": shardvar.shard_tensor(torch.randn(100, 4), shardvar.Layout.mod(100, 4)), "step": torch.tensor(3)},
+        tmp_path / "a",
+    )
+    out = run("inspect", str(tmp_path / "a"))
+    assert out.returncode == 0, out.stderr
+    assert "emb" in out.stdout and "mod: 25,25,25,25 @axis0" in out.stdout and "whole (0-d)" in out.stdout
+    out = run("reshard", str(tmp_path / "a"), str(tmp_path / "b"), "--shards", "3", "--strategy", "div")
+    assert out.returncode == 0 and out.stderr == "", out.stderr  # no progress bar off a terminal
+    assert "div: 34,33,33 @axis0" in run("inspect", str(tmp_path / "b")).stdout
+    out = run("inspect", str(tmp_path / "missing"))
+    assert out.returncode == 1 and "manifest.json is missing" in out.stderr
+    out = run("reshard", str(tmp_path / "a"), str(tmp_path / "c"), "--shards", "0")
+    assert out.returncode == 2 and "expected a positive integer; got 0" in out.stderr
+
+
+def test_progress_bar_draws_only_on_a_terminal() -> None:
+    import io
+
+    from shardvar.cli._progress import ProgressBar
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    term, pipe = Terminal(), io.StringIO()
+    with ProgressBar("work", stream=term, delay=0) as bar:
+        bar(512, 1024)
+    with ProgressBar("work", stream=pipe, delay=0) as bar:
+        bar(512, 1024)
+    assert "work [###############" in term.getvalue() and " 50%" in term.getvalue() and term.getvalue().endswith("\n")
+    assert pipe.getvalue() == ""
+    quick = Terminal()
+    with ProgressBar("work", stream=quick, delay=60) as bar:
+        bar(1, 2)
+    assert quick.getvalue() == ""  # work shorter than the delay stays quiet

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from shardvar import Layout, ShardvarError, ShardvarIndexError, ShardvarTypeError, ShardvarValueError
 from shardvar.layout import Layout as LayoutAgain  # noqa: F401  (the layer imports on its own)
-from shardvar.layout import ceil_sizes, normalise_axis
+from shardvar.layout import ceil_sizes, intersect_progressions, normalise_axis
 
 
 @st.composite
@@ -215,3 +215,17 @@ def test_from_partitions() -> None:
     assert Layout.from_partitions((6, 10), (1, 4)) == Layout("div", (3, 3, 2, 2), axis=1)
     assert Layout.from_partitions((6, 10), (1, 1)) == Layout("div", (6,), axis=0)
     assert Layout.from_partitions((7,), (3,), "mod") == Layout("mod", (3, 2, 2))
+
+
+progressions = st.tuples(st.integers(-5, 30), st.integers(1, 7), st.integers(0, 12))
+
+
+@given(progressions, progressions)
+def test_intersect_progressions_equals_the_set_intersection(a, b) -> None:
+    def members(p):
+        return {p[0] + p[1] * i for i in range(p[2])}
+
+    start, step, count = intersect_progressions(a, b)
+    got = [start + step * i for i in range(count)]
+    assert got == sorted(members(a) & members(b))
+    assert step >= 1

@@ -7,6 +7,7 @@ or hostile manifest fails here with a message naming the file and the variable.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,8 +109,9 @@ class Manifest:
         return json.dumps(out, indent=1)
 
     @classmethod
-    def read(cls, directory: Path) -> Manifest:
-        path = directory / MANIFEST
+    def read(cls, directory: str | os.PathLike) -> Manifest:
+        """Read and validate ``directory/manifest.json``."""
+        path = Path(directory) / MANIFEST
         try:
             raw = json.loads(path.read_text())
         except FileNotFoundError:
@@ -180,7 +182,8 @@ def _check_cover(name: str, shape: tuple[int, ...], layout: Layout | None, piece
         if (p.start, p.step, p.count) != layout.shard_progression(s) or p.shape != expected_shape:
             raise CheckpointError(
                 f"variable {name!r}, piece {p.key!r}: stores indices ({p.start}, {p.step}, {p.count}) with shape "
-                f"{list(p.shape)}; layout {layout} expects {layout.shard_progression(s)} with shape {list(expected_shape)}"
+                f"{list(p.shape)}; layout {layout} expects {layout.shard_progression(s)} "
+                f"with shape {list(expected_shape)}"
             )
         rows = p.shape[0] if p.shape else 1
         if p.chunk_rows < 1 or len(p.crc32) != max(1, -(-rows // p.chunk_rows)):

@@ -9,27 +9,41 @@ hold them (a few MiB at a time, checksums verified), and place the selected elem
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 import torch
 
-from ..layout import Layout
+from ..layout import Layout, intersect_progressions
 from ._manifest import CheckpointError, Piece, VariableEntry
 from ._safetensors import read_chunks
 
-__all__ = ["Files", "whole_layout", "restore_shard", "verify_shard"]
+__all__ = ["Files", "whole_layout", "restore_shard", "restore_shards", "verify_shards"]
 
 _RUN_CHUNKS = 4  # chunks read at once
 
 
 class Files:
-    """Open data files of one checkpoint directory, each opened once."""
+    """Open data files of one checkpoint directory, each opened once, and one reused read buffer."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._open: dict[str, BinaryIO] = {}
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+        self.pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1))
+
+    def scratch(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        # One buffer for every block read: allocating a fresh one per block fragments the heap
+        # and grows the address space far beyond the memory actually in use.
+        nbytes = dtype.itemsize
+        for d in shape:
+            nbytes *= d
+        if self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch[:nbytes].view(dtype).reshape(shape)
 
     def get(self, name: str, variable: str) -> BinaryIO:
         if name not in self._open:
@@ -47,6 +61,7 @@ class Files:
         for f in self._open.values():
             f.close()
         self._open.clear()
+        self.pool.shutdown()
 
     def __enter__(self) -> Files:
         return self
@@ -60,32 +75,6 @@ def whole_layout(entry: VariableEntry) -> Layout | None:
     if entry.layout is None:
         return None
     return Layout("div", (entry.shape[entry.layout.axis],), entry.layout.axis)
-
-
-def _needed_rows(entry: VariableEntry, piece: Piece, target: Layout, shard: int) -> torch.Tensor | None:
-    """Piece rows (dim 0) the target shard needs, sorted; None for all of them."""
-    if target.axis != 0:
-        return None  # the target shard spans all of dim 0
-    wanted = target.shard_ids(shard)
-    if entry.layout.axis != 0:
-        return wanted
-    offset = wanted - piece.start
-    keep = (offset % piece.step == 0) & (offset >= 0) & (offset < piece.step * piece.count)
-    return (offset[keep] // piece.step).sort().values
-
-
-def _runs(piece: Piece, rows: torch.Tensor | None) -> Iterator[tuple[int, int]]:
-    """(first, last) chunk runs holding ``rows``, at most _RUN_CHUNKS chunks each."""
-    total = max(1, -(-(piece.shape[0] if piece.shape else 1) // piece.chunk_rows))
-    chunks = range(total) if rows is None else torch.unique(rows // piece.chunk_rows).tolist()
-    run: list[int] = []
-    for c in chunks:
-        if run and (c != run[-1] + 1 or len(run) == _RUN_CHUNKS):
-            yield run[0], run[-1]
-            run = []
-        run.append(c)
-    if run:
-        yield run[0], run[-1]
 
 
 def _place(
@@ -134,45 +123,163 @@ def _nbytes(entry: VariableEntry, piece: Piece) -> int:
     return n
 
 
-def _read(files: Files, entry: VariableEntry, piece: Piece, first: int, last: int, verify: bool) -> torch.Tensor:
+def _read(
+    files: Files,
+    entry: VariableEntry,
+    piece: Piece,
+    first: int,
+    last: int,
+    verify: bool,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if out is None:
+        stop = min(piece.shape[0] if piece.shape else 1, (last + 1) * piece.chunk_rows)
+        shape = (stop - first * piece.chunk_rows, *piece.shape[1:]) if piece.shape else ()
+        out = files.scratch(shape, entry.dtype)
     try:
-        return read_chunks(files.get(piece.file, entry.name), piece.stored(entry.dtype), first, last, verify)
+        return read_chunks(
+            files.get(piece.file, entry.name), piece.stored(entry.dtype), first, last, verify, out, files.pool
+        )
     except ValueError as e:
         raise CheckpointError(f"file {files.directory / piece.file}, variable {entry.name!r}: {e}") from None
+
+
+@dataclass(frozen=True)
+class _Overlap:
+    """Indices a piece and one target shard share: piece rows j0 + dj*m, target rows i0 + di*m."""
+
+    out: torch.Tensor | None
+    j0: int
+    dj: int
+    i0: int
+    di: int
+    count: int
+
+    def chunks(self, chunk_rows: int) -> Iterable[int]:
+        if self.dj <= chunk_rows:  # members at most a chunk apart: every chunk in between holds one
+            return range(self.j0 // chunk_rows, (self.j0 + self.dj * (self.count - 1)) // chunk_rows + 1)
+        return torch.unique((self.j0 + self.dj * torch.arange(self.count)) // chunk_rows).tolist()
+
+    def members(self, lo: int, hi: int) -> tuple[int, int]:
+        """The range of m whose piece row lies in [lo, hi)."""
+        return max(0, -(-(lo - self.j0) // self.dj)), min(self.count, -(-(hi - self.j0) // self.dj))
+
+
+def _overlaps(piece: Piece, target: Layout, outs: dict[int, torch.Tensor | None]) -> list[_Overlap]:
+    found = []
+    for shard, out in outs.items():
+        tstart, tstep, tcount = target.shard_progression(shard)
+        x0, dx, count = intersect_progressions((piece.start, piece.step, piece.count), (tstart, tstep, tcount))
+        if count:
+            found.append(
+                _Overlap(
+                    out, (x0 - piece.start) // piece.step, dx // piece.step, (x0 - tstart) // tstep, dx // tstep, count
+                )
+            )
+    return found
+
+
+def _runs(chunks: Iterable[int]) -> Iterator[tuple[int, int]]:
+    run: list[int] = []
+    for c in chunks:
+        if run and (c != run[-1] + 1 or len(run) == _RUN_CHUNKS):
+            yield run[0], run[-1]
+            run = []
+        run.append(c)
+    if run:
+        yield run[0], run[-1]
+
+
+def _restore_same_axis(
+    files: Files, entry: VariableEntry, piece: Piece, target: Layout, outs: dict, verify: bool
+) -> None:
+    # A piece and each target shard hold progressions of indices along the same axis; so does
+    # their intersection, which makes every copy a strided slice. Each chunk is read once.
+    overlaps = _overlaps(piece, target, outs)
+    if not overlaps:
+        return
+    _check_file(files, entry, piece)
+    axis, rows = target.axis, piece.chunk_rows
+    if axis != 0:
+        for first, last in _runs(range(-(-max(piece.shape[0], 1) // rows))):
+            block = _read(files, entry, piece, first, last, verify)
+            for o in overlaps:
+                if o.out is not None:
+                    window = o.out.narrow(0, first * rows, block.shape[0])
+                    _at(window, axis, o.i0, o.di, o.count).copy_(_at(block, axis, o.j0, o.dj, o.count))
+        return
+    chunks = sorted(set().union(*(o.chunks(rows) for o in overlaps)))
+    for first, last in _runs(chunks):
+        lo, hi = first * rows, min(piece.count, (last + 1) * rows)
+        direct = [
+            o for o in overlaps if o.out is not None and o.dj == o.di == 1 and o.j0 <= lo and hi <= o.j0 + o.count
+        ]
+        if direct:  # one target shard holds all these rows, in order: read straight into it
+            o = direct[0]
+            _read(files, entry, piece, first, last, verify, out=o.out.narrow(0, o.i0 + lo - o.j0, hi - lo))
+            continue
+        block = _read(files, entry, piece, first, last, verify)
+        for o in overlaps:
+            m_lo, m_hi = o.members(lo, hi)
+            if o.out is not None and m_hi > m_lo:
+                _at(o.out, 0, o.i0 + m_lo * o.di, o.di, m_hi - m_lo).copy_(
+                    _at(block, 0, o.j0 + m_lo * o.dj - lo, o.dj, m_hi - m_lo)
+                )
+
+
+def _at(t: torch.Tensor, axis: int, start: int, step: int, count: int) -> torch.Tensor:
+    return t[(slice(None),) * axis + (slice(start, start + step * (count - 1) + 1, step),)]
+
+
+def _restore(
+    files: Files, entry: VariableEntry, target: Layout | None, outs: dict[int, torch.Tensor | None], verify: bool
+) -> None:
+    if entry.layout is None:
+        piece = entry.pieces[0]
+        _check_file(files, entry, piece)
+        block = _read(files, entry, piece, 0, 0, verify)
+        for out in outs.values():
+            if out is not None:
+                out.copy_(block.reshape(out.shape))
+        return
+    target = target or whole_layout(entry)
+    for piece in entry.pieces:
+        if target.axis == entry.layout.axis:
+            _restore_same_axis(files, entry, piece, target, outs, verify)
+            continue
+        _check_file(files, entry, piece)
+        for first, last in _runs(range(-(-max(piece.shape[0], 1) // piece.chunk_rows))):
+            block = _read(files, entry, piece, first, last, verify)
+            for shard, out in outs.items():
+                if out is not None:
+                    _place(out, block, first * piece.chunk_rows, entry, piece, target, shard)
+
+
+def _new(entry: VariableEntry, target: Layout | None, shard: int) -> torch.Tensor:
+    if entry.layout is None:
+        return torch.empty(entry.shape, dtype=entry.dtype)
+    return torch.empty((target or whole_layout(entry)).shard_shape(entry.shape, shard), dtype=entry.dtype)
+
+
+def restore_shards(
+    files: Files, entry: VariableEntry, target: Layout | None, shards: list[int], verify: bool = True
+) -> list[torch.Tensor]:
+    """Shards ``shards`` of ``entry`` laid out by ``target`` (None: the whole variable), as new tensors.
+
+    Each stored chunk is read once, whichever shards need it.
+    """
+    outs = {s: _new(entry, target, s) for s in shards}
+    _restore(files, entry, target, outs, verify)
+    return [outs[s] for s in shards]
 
 
 def restore_shard(
     files: Files, entry: VariableEntry, target: Layout | None, shard: int = 0, verify: bool = True
 ) -> torch.Tensor:
-    """Shard ``shard`` of ``entry`` laid out by ``target`` (None: the whole variable), as a new tensor."""
-    if entry.layout is None:
-        piece = entry.pieces[0]
-        _check_file(files, entry, piece)
-        return _read(files, entry, piece, 0, 0, verify).clone()
-    target = target or whole_layout(entry)
-    out = torch.empty(target.shard_shape(entry.shape, shard), dtype=entry.dtype)
-    for piece in entry.pieces:
-        rows = _needed_rows(entry, piece, target, shard)
-        if rows is not None and rows.numel() == 0:
-            continue
-        _check_file(files, entry, piece)
-        for first, last in _runs(piece, rows):
-            block = _read(files, entry, piece, first, last, verify)
-            _place(out, block, first * piece.chunk_rows, entry, piece, target, shard)
-    return out
+    """One shard of ``entry`` laid out by ``target`` (None: the whole variable), as a new tensor."""
+    return restore_shards(files, entry, target, [shard], verify)[0]
 
 
-def verify_shard(files: Files, entry: VariableEntry, target: Layout | None, shard: int = 0) -> None:
-    """Read and checksum every chunk :func:`restore_shard` would read, keeping nothing."""
-    if entry.layout is None:
-        _check_file(files, entry, entry.pieces[0])
-        _read(files, entry, entry.pieces[0], 0, 0, True)
-        return
-    target = target or whole_layout(entry)
-    for piece in entry.pieces:
-        rows = _needed_rows(entry, piece, target, shard)
-        if rows is not None and rows.numel() == 0:
-            continue
-        _check_file(files, entry, piece)
-        for first, last in _runs(piece, rows):
-            _read(files, entry, piece, first, last, True)
+def verify_shards(files: Files, entry: VariableEntry, target: Layout | None, shards: list[int]) -> None:
+    """Read and checksum every chunk :func:`restore_shards` would read, keeping nothing."""
+    _restore(files, entry, target, dict.fromkeys(shards), True)

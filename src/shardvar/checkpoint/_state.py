@@ -63,7 +63,8 @@ def resolve(state_dict: dict[str, Any]) -> State:
             state.optimizers[key] = obj
         else:
             raise ShardvarTypeError(
-                f"state_dict[{key!r}] is a {type(obj).__name__}; expected a ShardedVariable, tensor, nn.Module or optimizer"
+                f"state_dict[{key!r}] is a {type(obj).__name__}; "
+                "expected a ShardedVariable, tensor, nn.Module or optimizer"
             )
     return state
 

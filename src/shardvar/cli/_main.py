@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from ._checkpoint import add_checkpoint_parsers
 from ._plan import add_plan_parser
 
 
@@ -13,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardvar", description="Partitioned variables for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_plan_parser(sub)
+    add_checkpoint_parsers(sub)
     return parser
 
 

@@ -5,6 +5,7 @@ Nothing here holds state or touches torch.distributed; every layer above builds 
 
 from ._ids import as_ids, check_ids
 from ._layout import Layout, ceil_sizes, normalise_axis
+from ._progressions import intersect_progressions
 from ._slices import SlicePiece, SlicePlan
 from ._strategies import STRATEGIES, Strategy, balanced_sizes, get_strategy, mod_sizes
 
@@ -19,6 +20,7 @@ __all__ = [
     "ceil_sizes",
     "check_ids",
     "get_strategy",
+    "intersect_progressions",
     "mod_sizes",
     "normalise_axis",
 ]

@@ -1,0 +1,72 @@
+"""``shardvar inspect`` and ``shardvar reshard``."""
+
+from __future__ import annotations
+
+import argparse
+
+from .._errors import ShardvarError
+from ..checkpoint import Manifest, reshard
+from ._progress import ProgressBar
+from ._table import format_bytes, format_sizes, render_table
+
+__all__ = ["add_checkpoint_parsers"]
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    try:
+        manifest = Manifest.read(args.path)
+    except ShardvarError as e:
+        raise SystemExit(f"shardvar inspect: {e}") from None
+    rows = []
+    for name, v in sorted(manifest.variables.items()):
+        layout = (
+            "whole (0-d)"
+            if v.layout is None
+            else f"{v.layout.strategy}: {format_sizes(v.layout.sizes)} @axis{v.layout.axis}"
+        )
+        rows.append(
+            [
+                name,
+                str(v.dtype).removeprefix("torch."),
+                "x".join(map(str, v.shape)) or "()",
+                layout,
+                format_bytes(v.nbytes),
+                len(v.pieces),
+            ]
+        )
+    print(render_table(["variable", "dtype", "shape", "saved layout", "bytes", "pieces"], rows))
+    total = sum(v.nbytes for v in manifest.variables.values())
+    print(f"\n{len(rows)} variables, {format_bytes(total)} in {len(manifest.files())} file(s)")
+    return 0
+
+
+def run_reshard(args: argparse.Namespace) -> int:
+    try:
+        with ProgressBar("reshard") as bar:
+            reshard(args.src, args.dst, args.shards, args.strategy, progress=bar)
+    except ShardvarError as e:
+        raise SystemExit(f"shardvar reshard: {e}") from None
+    print(f"wrote {args.dst}: every variable in {args.shards} {args.strategy} shards")
+    return 0
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {value}")
+    return value
+
+
+def add_checkpoint_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="list the variables of a checkpoint")
+    p.add_argument("path")
+    p.set_defaults(func=run_inspect)
+    p = sub.add_parser("reshard", help="rewrite a checkpoint into another layout")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--shards", type=_positive, required=True)
+    p.add_argument("--strategy", choices=["div", "mod"], default="div")
+    p.set_defaults(func=run_reshard)
