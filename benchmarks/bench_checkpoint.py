@@ -98,6 +98,7 @@ def main() -> None:
         "raw write": lambda: raw_write(root / "raw.bin", variable.variables),
         "save": lambda: shardvar.save({"table": variable}, ck),
         "raw read": lambda: raw_read(root / "raw.bin", target_same.variables),
+        "raw read new": lambda: raw_read(root / "raw.bin", [torch.empty_like(s) for s in target_same.variables]),
         "restore 8 div": lambda: shardvar.checkpoint.read_shards(ck, "table", Layout.div(rows, 8)),
         "restore 3 mod": lambda: shardvar.checkpoint.read_shards(ck, "table", mod3),
         "load 8 div": lambda: shardvar.load({"table": target_same}, ck, staging_bytes=0),
@@ -137,15 +138,15 @@ def main() -> None:
         ]
     )
     for cache in ("warm", "cold"):
-        raw = best[f"raw read {cache}"]
-        for name, label in (
-            ("restore 8 div", "restore -> 8 div shards (read_shards)"),
-            ("restore 3 mod", "restore -> 3 mod shards (read_shards)"),
-            ("load 8 div", "load into 8 div shards (verify, then fill)"),
-            ("load 3 mod", "load into 3 mod shards (verify, then fill)"),
-            ("raw read", "plain readinto"),
+        for name, label, baseline in (
+            ("load 8 div", "load into 8 div shards (verify, then fill)", "raw read"),
+            ("load 3 mod", "load into 3 mod shards (verify, then fill)", "raw read"),
+            ("raw read", "plain readinto existing tensors", "raw read"),
+            ("restore 8 div", "restore -> 8 new div shards (read_shards)", "raw read new"),
+            ("restore 3 mod", "restore -> 3 new mod shards (read_shards)", "raw read new"),
+            ("raw read new", "plain readinto new tensors", "raw read new"),
         ):
-            t = best[f"{name} {cache}"]
+            t, raw = best[f"{name} {cache}"], best[f"{baseline} {cache}"]
             table.append([label, cache, f"{t:.2f}", f"{nbytes / t / 1e9:.2f}", f"{raw / t:.2f}x"])
     print_table(["operation", "cache", "seconds", "GB/s", "vs plain file I/O"], table)
     largest = max(Layout.mod(rows, 3).sizes) * dim * 4

@@ -25,3 +25,13 @@ def test_readme_starts_with_exactly_two_setup_commands() -> None:
     assert README.index(blocks[0][1]) < README.index("## ")
     ci = (ROOT / ".ci" / "run").read_text()
     assert 'pip install torch==2.13.0 -e ".\\[test\\]"' in ci
+
+
+def test_shell_blocks_run(tmp_path) -> None:
+    import subprocess
+
+    blocks = re.findall(r"```sh\n(.*?)```", README, re.S)[2:]  # the first two are the set-up commands
+    assert blocks
+    for block in blocks:
+        out = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, capture_output=True, text=True)
+        assert out.returncode == 0, block + out.stderr
