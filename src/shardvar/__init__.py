@@ -4,8 +4,9 @@ Layers, each importable without the ones above it: ``shardvar.layout`` (pure lay
 ``shardvar.partitioners`` -> ... The public names are re-exported here one by one.
 """
 
-from ._errors import ShardvarError, ShardvarIndexError, ShardvarTypeError, ShardvarValueError
+from ._errors import ShardvarDistributedError, ShardvarError, ShardvarIndexError, ShardvarTypeError, ShardvarValueError
 from .checkpoint import CheckpointError, load, read_shard, reshard, save
+from .distributed import DistributedEmbedding, DistributedShardedVariable
 from .layout import Layout, SlicePlan, ceil_sizes
 from .nn import ShardedEmbedding, ShardedEmbeddingBag
 from .partitioners import (
@@ -19,6 +20,7 @@ from .partitioners import (
     variable_axis_size_partitioner,
 )
 from .variables import (
+    RowInitializer,
     ShardedVariable,
     create_partitioned_variables,
     embedding_bag,
@@ -32,15 +34,19 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "DistributedEmbedding",
+    "DistributedShardedVariable",
     "FixedShardsPartitioner",
     "Layout",
     "MaxSizePartitioner",
     "MinSizePartitioner",
     "Partitioner",
     "PartitionerConfig",
+    "RowInitializer",
     "ShardedEmbedding",
     "ShardedEmbeddingBag",
     "ShardedVariable",
+    "ShardvarDistributedError",
     "ShardvarError",
     "ShardvarIndexError",
     "ShardvarTypeError",

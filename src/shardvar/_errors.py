@@ -6,7 +6,7 @@ built-in, so callers may catch either ``shardvar.ShardvarError`` or ``ValueError
 
 from __future__ import annotations
 
-__all__ = ["ShardvarError", "ShardvarValueError", "ShardvarIndexError", "ShardvarTypeError"]
+__all__ = ["ShardvarError", "ShardvarValueError", "ShardvarIndexError", "ShardvarTypeError", "ShardvarDistributedError"]
 
 
 class ShardvarError(Exception):
@@ -23,3 +23,7 @@ class ShardvarIndexError(ShardvarError, IndexError):
 
 class ShardvarTypeError(ShardvarError, TypeError):
     """An argument has the wrong type (non-integer ids, a non-tensor shard...)."""
+
+
+class ShardvarDistributedError(ShardvarError, RuntimeError):
+    """A collective failed or timed out (a peer rank died or hung), or ranks disagree."""

@@ -1,0 +1,85 @@
+"""Distributed variables over real processes (gloo on loopback) against the single-process ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import shardvar
+from dist_workers import DIM, ROWS, batch
+from distributed import run_ranks
+from shardvar.variables import RowInitializer
+
+
+def single_process_reference(world: int, strategy: str, shards: int, steps: int, seed: int):
+    torch.manual_seed(seed)
+    head = nn.Linear(DIM, 1)
+    table = RowInitializer(seed)((ROWS, DIM))
+    emb = shardvar.ShardedEmbedding.from_pretrained(
+        table, freeze=False, partitioner=shards, partition_strategy=strategy
+    )
+    opt = torch.optim.SGD([*emb.parameters(), *head.parameters()], lr=0.1, momentum=0.9)
+    firsts = None
+    for step in range(steps):
+        opt.zero_grad()
+        outs = []
+        for rank in range(world):
+            ids, target = batch(rank, step, seed)
+            rows = emb(ids)
+            outs.append(rows.detach().clone())
+            ((head(rows.mean(1)).squeeze(1) - target).pow(2).sum()).backward()
+        for p in head.parameters():
+            p.grad /= world  # DistributedDataParallel averages the dense gradients; the table's add up
+        opt.step()
+        firsts = firsts or outs
+    return firsts, emb.weight.to_tensor().detach(), head
+
+
+@pytest.mark.parametrize("world, strategy, shards", [(2, "div", 5), (2, "mod", 4), (3, "mod", 5), (3, "div", 3)])
+def test_lookup_and_training_match_a_single_process(tmp_path, world, strategy, shards) -> None:
+    steps, seed = 10, 3
+    results = run_ranks(world, "train", tmp_path, strategy=strategy, shards=shards, steps=steps, seed=seed)
+    firsts, table, head = single_process_reference(world, strategy, shards, steps, seed)
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(r["first"], firsts[rank], atol=1e-6, rtol=0)
+        torch.testing.assert_close(r["head"]["weight"], head.weight.detach(), atol=1e-6, rtol=0)
+    layout = getattr(shardvar.Layout, strategy)(ROWS, shards)
+    assembled = {s: t for r in results for s, t in r["shards"].items()}
+    assert sorted(assembled) == list(range(shards))
+    logical = shardvar.ShardedVariable([assembled[s] for s in range(shards)], strategy=strategy).to_tensor()
+    torch.testing.assert_close(logical, table, atol=1e-6, rtol=0)
+    for r in results:
+        # Each rank holds only its shards' bytes, never the whole table.
+        assert r["local_bytes"] == sum(layout.sizes[s] for s in r["owned"]) * DIM * 4 < ROWS * DIM * 4
+        # Forward: split sizes, ids, rows; backward: gradients. Nothing else per step.
+        assert all(c == {"all_to_all": 4} for c in r["calls"]), r["calls"]
+
+
+def test_ids_out_of_range_on_one_rank_fail_on_every_rank(tmp_path) -> None:
+    results = run_ranks(3, "bad_ids", tmp_path)
+    for r in results:
+        assert r["error"] and "rank(s) [1] passed ids outside it" in r["error"], r
+    assert "first bad id is 35" in results[1]["error"]
+
+
+def test_mismatched_layouts_fail_on_every_rank(tmp_path) -> None:
+    results = run_ranks(2, "mismatched", tmp_path)
+    for r in results:
+        assert r["error"] and "ranks disagree" in r["error"] and "rank 1:" in r["error"], r
+
+
+def test_a_dead_rank_makes_the_others_raise_within_the_timeout(tmp_path) -> None:
+    timeout = 8.0
+    results = run_ranks(3, "dead_rank", tmp_path, expect_exit={2: 17}, collective_timeout=timeout)
+    for r in results[:2]:
+        assert r["error"] and "another rank probably died" in r["error"], r
+        assert r["seconds"] <= timeout + 10, r
+
+
+def test_a_hung_rank_makes_the_others_raise_after_the_timeout(tmp_path) -> None:
+    timeout = 4.0
+    results = run_ranks(3, "hung_rank", tmp_path, expect_exit={2: 18}, collective_timeout=timeout)
+    for r in results[:2]:
+        assert r["error"] and "4 s timeout" in r["error"], r
+        assert timeout - 1 <= r["seconds"] <= timeout + 10, r
