@@ -99,6 +99,46 @@ def hung_rank(rank: int, world: int, collective_timeout: float) -> dict:
     return {"error": None, "seconds": time.monotonic() - start}
 
 
+class Model(nn.Module):
+    def __init__(self, emb: nn.Module) -> None:
+        super().__init__()
+        self.emb = emb
+        self.head = nn.Linear(DIM, 1)
+
+
+def local_state(model: Model, opt: torch.optim.Optimizer) -> dict:
+    shards = model.emb.variable.local_shards()
+    return {
+        "shards": {s: p.detach().clone() for s, p in shards.items()},
+        "exp_avg": {s: opt.state[p]["exp_avg"].clone() for s, p in shards.items()},
+        "step": float(opt.state[next(iter(shards.values()))]["step"]),
+        "head": model.head.weight.detach().clone(),
+    }
+
+
+def ckpt_train_save(rank: int, world: int, path: str, shards: int, strategy: str) -> dict:
+    torch.manual_seed(0)
+    model = Model(DistributedEmbedding(ROWS, DIM, shards, strategy, initializer=RowInitializer(5)))
+    dense = nn.parallel.DistributedDataParallel(model.head)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    for step in range(3):
+        ids, target = batch(rank, step, 9)
+        loss = (dense(model.emb(ids).mean(1)).squeeze(1) - target).pow(2).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    shardvar.distributed.save({"model": model, "opt": opt}, path)
+    return local_state(model, opt)
+
+
+def ckpt_load(rank: int, world: int, path: str, shards: int, strategy: str) -> dict:
+    torch.manual_seed(123)  # other initial values: all must come from the checkpoint
+    model = Model(DistributedEmbedding(ROWS, DIM, shards, strategy, initializer=RowInitializer(77)))
+    opt = torch.optim.Adam(model.parameters(), lr=1.0)
+    shardvar.distributed.load({"model": model, "opt": opt}, path)
+    return {**local_state(model, opt), "lr": opt.param_groups[0]["lr"]}
+
+
 def main() -> None:
     worker, kwargs, out_dir = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -83,3 +83,37 @@ def test_a_hung_rank_makes_the_others_raise_after_the_timeout(tmp_path) -> None:
     for r in results[:2]:
         assert r["error"] and "4 s timeout" in r["error"], r
         assert timeout - 1 <= r["seconds"] <= timeout + 10, r
+
+
+def assemble(results: list[dict], key: str, layout: shardvar.Layout) -> torch.Tensor:
+    parts = {s: t for r in results for s, t in r[key].items()}
+    return shardvar.ShardedVariable([parts[s] for s in range(layout.num_shards)], strategy=layout.strategy).to_tensor()
+
+
+def test_checkpoints_move_between_world_sizes(tmp_path) -> None:
+    saved = run_ranks(2, "ckpt_train_save", tmp_path / "w2", path=str(tmp_path / "a"), shards=4, strategy="div")
+    weights = assemble(saved, "shards", shardvar.Layout.div(ROWS, 4))
+    moments = assemble(saved, "exp_avg", shardvar.Layout.div(ROWS, 4))
+    # 2 ranks -> a single process, into another shard count and strategy, Adam's moments included.
+    model = nn.Module()
+    model.emb = shardvar.ShardedEmbedding(ROWS, DIM, partitioner=5, partition_strategy="mod")
+    model.head = nn.Linear(DIM, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=1.0)
+    shardvar.load({"model": model, "opt": opt}, tmp_path / "a")
+    torch.testing.assert_close(model.emb.weight.to_tensor().detach(), weights, atol=0, rtol=0)
+    single_moments = shardvar.ShardedVariable(
+        [opt.state[p]["exp_avg"] for p in model.emb.shards], strategy="mod"
+    ).to_tensor()
+    torch.testing.assert_close(single_moments, moments, atol=0, rtol=0)
+    torch.testing.assert_close(model.head.weight, saved[0]["head"], atol=0, rtol=0)
+    assert opt.param_groups[0]["lr"] == 0.05
+    # 2 ranks -> 3 ranks, 6 mod shards.
+    loaded = run_ranks(3, "ckpt_load", tmp_path / "w3", path=str(tmp_path / "a"), shards=6, strategy="mod")
+    torch.testing.assert_close(assemble(loaded, "shards", shardvar.Layout.mod(ROWS, 6)), weights, atol=0, rtol=0)
+    torch.testing.assert_close(assemble(loaded, "exp_avg", shardvar.Layout.mod(ROWS, 6)), moments, atol=0, rtol=0)
+    assert all(r["step"] == 3.0 and r["lr"] == 0.05 for r in loaded)
+    # And back: the single process saves, 3 ranks restore into 3 div shards.
+    shardvar.save({"model": model, "opt": opt}, tmp_path / "b")
+    back = run_ranks(3, "ckpt_load", tmp_path / "w3b", path=str(tmp_path / "b"), shards=3, strategy="div")
+    torch.testing.assert_close(assemble(back, "shards", shardvar.Layout.div(ROWS, 3)), weights, atol=0, rtol=0)
+    torch.testing.assert_close(assemble(back, "exp_avg", shardvar.Layout.div(ROWS, 3)), moments, atol=0, rtol=0)

@@ -19,20 +19,21 @@ from typing import Any
 
 import torch
 
-from .._errors import ShardvarTypeError
+from .._errors import ShardvarError, ShardvarTypeError
 from ..layout import Layout, get_strategy
-from ..variables import ShardedVariable
 from ._manifest import MANIFEST, CheckpointError, Manifest, Piece, VariableEntry
 from ._restore import Files, _check_file, _restore, restore_shard, restore_shards, verify_shards
 from ._safetensors import FileWriter
-from ._state import State, optimizer_param_names, resolve
+from ._state import Partial, State, optimizer_param_names, resolve
 
 __all__ = ["save", "load", "read_shard", "read_shards", "reshard", "Progress"]
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 FILE_BYTES = 1 << 30  # roll over to a new data file past this size
 STAGING_BYTES = 256 << 20
-_OURS = re.compile(r"^(data-[0-9a-f]+-\d+\.safetensors|manifest\.json\.tmp-[0-9a-f]+|spare-[0-9a-f]+\.safetensors)$")
+_OURS = re.compile(
+    r"^(data-[0-9a-f]+-(r\d+-)?\d+\.safetensors|manifest\.json\.tmp-[0-9a-f]+|spare-[0-9a-f]+\.safetensors)$"
+)
 _SPARE = re.compile(r"^spare-[0-9a-f]+\.safetensors$")
 _JSON = (int, float, bool, str, type(None))
 
@@ -47,28 +48,28 @@ def _json_value(v: Any) -> Any:
 
 @dataclass
 class _Entry:
-    """One logical variable to write: its layout, and the tensors (or producers) of its pieces."""
+    """One logical variable to write: its layout, and the shards this process writes."""
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
     layout: Layout | None
-    shard_shapes: list[tuple[int, ...]]
+    shard_shapes: dict[int, tuple[int, ...]]  # shard index -> shape, for the shards written here
     produce: Callable[[int], torch.Tensor]
+    replicated: bool = False  # a plain tensor every process holds whole: rank 0 writes it
 
 
-def _entry_of(name: str, value: ShardedVariable | torch.Tensor) -> _Entry:
-    if isinstance(value, ShardedVariable):
-        shards = value.variables
-        return _Entry(
-            name, value.dtype, tuple(value.shape), value.layout, [tuple(s.shape) for s in shards], lambda s: shards[s]
-        )
+def _entry_of(name: str, value: Partial | torch.Tensor) -> _Entry:
+    if isinstance(value, Partial):
+        shards = value.shards
+        shapes = {s: tuple(t.shape) for s, t in sorted(shards.items())}
+        return _Entry(name, value.dtype, value.shape, value.layout, shapes, lambda s: shards[s])
     layout = Layout("div", (value.shape[0],)) if value.dim() else None
-    return _Entry(name, value.dtype, tuple(value.shape), layout, [tuple(value.shape)], lambda s: value)
+    return _Entry(name, value.dtype, tuple(value.shape), layout, {0: tuple(value.shape)}, lambda s: value, True)
 
 
 def _optimizer_entries(state: State, key: str, optimizer: torch.optim.Optimizer) -> tuple[list[_Entry], dict]:
-    entries: dict[str, ShardedVariable | torch.Tensor] = {}
+    entries: dict[str, Partial | torch.Tensor] = {}
     scalars: dict[str, Any] = {}
     sharded_slots: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     for p in (p for g in optimizer.param_groups for p in g["params"]):
@@ -88,10 +89,8 @@ def _optimizer_entries(state: State, key: str, optimizer: torch.optim.Optimizer)
     for (name, slot), by_shard in sharded_slots.items():
         variable = state.variables[name]
         # A shard the optimizer never stepped has no slot yet: it holds zeros, as fresh state does.
-        slots = [by_shard.get(s, torch.zeros_like(shard)).detach() for s, shard in enumerate(variable.variables)]
-        entries[f"{key}/{name}/{slot}"] = ShardedVariable(
-            slots, strategy=variable.layout.strategy, axis=variable.layout.axis
-        )
+        slots = {s: by_shard.get(s, torch.zeros_like(shard)).detach() for s, shard in variable.shards.items()}
+        entries[f"{key}/{name}/{slot}"] = Partial(variable.layout, variable.shape, variable.dtype, slots)
     groups = [
         {**{k: _json_value(v) for k, v in g.items() if k != "params"}, "params": names}
         for g, names in zip(optimizer.param_groups, optimizer_param_names(state, optimizer), strict=True)
@@ -99,29 +98,58 @@ def _optimizer_entries(state: State, key: str, optimizer: torch.optim.Optimizer)
     return [_entry_of(n, v) for n, v in entries.items()], {"param_groups": groups, "scalars": scalars}
 
 
-def _write(
-    directory: Path, entries: list[_Entry], extra: dict, progress: Progress | None, keep_spare: bool = True
-) -> None:
-    """Write ``entries`` as a new save in ``directory`` and commit it."""
-    directory.mkdir(parents=True, exist_ok=True)
-    save_id = uuid.uuid4().hex[:16]
-    total = sum(math_prod(s) * e.dtype.itemsize for e in entries for s in e.shard_shapes)
+class Coordinator:
+    """How the processes taking part in one save or load agree; this one is a single process.
+
+    The distributed layer supplies one over a process group (``shardvar.distributed``).
+    """
+
+    rank, world = 0, 1
+
+    def common_save_id(self) -> str:
+        return uuid.uuid4().hex[:16]
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Everyone's ``obj``, in rank order (on every rank)."""
+        return [obj]
+
+    def barrier(self) -> None:
+        return None
+
+
+def _agree(coordinator: Coordinator, error: BaseException | None) -> None:
+    """Raise on every process if any one failed (the failing one raises its own error)."""
+    verdicts = coordinator.gather(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = [(r, v) for r, v in enumerate(verdicts) if v is not None]
+    if failed:
+        raise CheckpointError("; ".join(f"rank {r} failed: {v}" for r, v in failed))
+
+
+def _write_files(
+    directory: Path, entries: list[_Entry], save_id: str, tag: str, progress: Progress | None, reuse_spares: bool
+) -> dict[str, list[tuple[int, Piece]]]:
+    """Write this process's shards of ``entries`` into new data files; return (shard, piece) per variable."""
+    total = sum(math_prod(shape) * e.dtype.itemsize for e in entries for shape in e.shard_shapes.values())
     files: list[list[tuple[_Entry, int]]] = [[]]
     size = 0
     for e in entries:
-        for s, shape in enumerate(e.shard_shapes):
+        for s, shape in e.shard_shapes.items():
             nbytes = math_prod(shape) * e.dtype.itemsize
             if size and size + nbytes > FILE_BYTES:
                 files.append([])
                 size = 0
             files[-1].append((e, s))
             size += nbytes
-    pieces: dict[str, list[Piece]] = {e.name: [] for e in entries}
+    pieces: dict[str, list[tuple[int, Piece]]] = {e.name: [] for e in entries}
     done = 0
     spares = sorted((p for p in directory.iterdir() if _SPARE.match(p.name)), key=lambda p: p.stat().st_size)
     for k, members in enumerate(files):
-        file_name = f"data-{save_id}-{k:05d}.safetensors"
-        reuse = bool(spares)
+        if not members:
+            continue
+        file_name = f"data-{save_id}-{tag}{k:05d}.safetensors"
+        reuse = reuse_spares and bool(spares)
         if reuse:
             os.replace(spares.pop(), directory / file_name)  # a spare is referenced by no manifest
         writer = FileWriter(
@@ -130,25 +158,56 @@ def _write(
         for e, s in members:
             stored = writer.write(f"{e.name}#{s}", e.produce(s))
             start, step, count = e.layout.shard_progression(s) if e.layout else (0, 1, 1)
-            pieces[e.name].append(
-                Piece(
-                    file_name,
-                    stored.key,
-                    start,
-                    step,
-                    count,
-                    stored.shape,
-                    stored.chunk_rows,
-                    stored.crc32,
-                    stored.begin,
-                )
+            piece = Piece(
+                file_name, stored.key, start, step, count, stored.shape, stored.chunk_rows, stored.crc32, stored.begin
             )
+            pieces[e.name].append((s, piece))
             done += math_prod(stored.shape) * e.dtype.itemsize
             if progress:
                 progress(done, total)
         writer.close()
-    variables = {e.name: VariableEntry(e.name, e.dtype, e.shape, e.layout, tuple(pieces[e.name])) for e in entries}
-    _commit(directory, Manifest(variables, extra, save_id), save_id, keep_spare)
+    return pieces
+
+
+def _write(
+    directory: Path,
+    entries: list[_Entry],
+    extra: dict,
+    progress: Progress | None,
+    keep_spare: bool = True,
+    coordinator: Coordinator | None = None,
+) -> None:
+    """Write ``entries`` as a new save in ``directory`` (each process its own shards) and commit it."""
+    coordinator = coordinator or Coordinator()
+    single = coordinator.world == 1
+    save_id = coordinator.common_save_id()
+    error, written = None, {}
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tag = "" if single else f"r{coordinator.rank:05d}-"
+        written = _write_files(directory, entries, save_id, tag, progress, reuse_spares=single)
+    except (OSError, ValueError) as e:
+        error = e
+    meta = {e.name: (e.dtype, e.shape, e.layout) for e in entries}
+    everyone = coordinator.gather(None if error else (meta, written))
+    if error is not None:
+        raise error
+    failed = [r for r, x in enumerate(everyone) if x is None]
+    if failed:
+        raise CheckpointError(f"the save to {directory} failed on rank(s) {failed}; the previous checkpoint is intact")
+    if coordinator.rank == 0:
+        variables = {}
+        for name in dict.fromkeys(n for m, _ in everyone for n in m):
+            dtype, shape, layout = next(m[name] for m, _ in everyone if name in m)
+            found = sorted(((s, p) for _, w in everyone for s, p in w.get(name, [])), key=lambda sp: sp[0])
+            expected = list(range(layout.num_shards if layout else 1))
+            if [s for s, _ in found] != expected:
+                raise CheckpointError(
+                    f"variable {name!r}: the processes wrote shards {[s for s, _ in found]}; expected each of {expected}"
+                )
+            variables[name] = VariableEntry(name, dtype, shape, layout, tuple(p for _, p in found))
+        _commit(directory, Manifest(variables, extra, save_id), save_id, keep_spare and single)
+    coordinator.barrier()
 
 
 def math_prod(shape: tuple[int, ...]) -> int:
@@ -193,7 +252,12 @@ def _commit(directory: Path, manifest: Manifest, save_id: str, keep_spare: bool 
 
 
 def save(
-    state_dict: dict[str, Any], path: str | os.PathLike, *, progress: Progress | None = None, keep_spare: bool = True
+    state_dict: dict[str, Any],
+    path: str | os.PathLike,
+    *,
+    progress: Progress | None = None,
+    keep_spare: bool = True,
+    coordinator: Coordinator | None = None,
 ) -> None:
     """Save ShardedVariables, tensors, modules and optimizers as logical variables under ``path``.
 
@@ -213,6 +277,7 @@ def save(
     directory = Path(path)
     if directory.exists() and not directory.is_dir():
         raise CheckpointError(f"checkpoint path {directory} exists and is not a directory")
+    coordinator = coordinator or Coordinator()
     state = resolve(state_dict)
     entries = [_entry_of(name, value) for name, value in state.variables.items()]
     extra: dict[str, Any] = {"optimizers": {}}
@@ -220,7 +285,9 @@ def save(
         more, info = _optimizer_entries(state, key, optimizer)
         entries += more
         extra["optimizers"][key] = info
-    _write(directory, entries, extra, progress, keep_spare)
+    if coordinator.rank != 0:  # replicated values (plain tensors) are written once, by rank 0
+        entries = [e for e in entries if not e.replicated]
+    _write(directory, entries, extra, progress, keep_spare, coordinator)
 
 
 @dataclass(eq=False)
@@ -251,8 +318,8 @@ def _plan(manifest: Manifest, state: State, directory: Path) -> tuple[list[_Targ
     for name, value in state.variables.items():
         entry = _lookup(manifest, name, directory)
         _match(entry, value.dtype, tuple(value.shape))
-        if isinstance(value, ShardedVariable):
-            targets.append(_Target(entry, value.layout, list(enumerate(value.variables))))
+        if isinstance(value, Partial):
+            targets.append(_Target(entry, value.layout, sorted(value.shards.items())))
         else:
             targets.append(_Target(entry, None, [(0, value)]))
     optimizer_plans = {}
@@ -295,6 +362,7 @@ def load(
     *,
     staging_bytes: int = STAGING_BYTES,
     progress: Progress | None = None,
+    coordinator: Coordinator | None = None,
 ) -> None:
     """Fill the objects of ``state_dict`` from the checkpoint at ``path``, each in its own layout.
 
@@ -304,29 +372,34 @@ def load(
     first pass and then restored shard by shard, so memory stays bounded by the largest shard.
     """
     directory = Path(path)
-    manifest = Manifest.read(directory)
+    coordinator = coordinator or Coordinator()
     state = resolve(state_dict)
-    targets, optimizer_plans = _plan(manifest, state, directory)
     with Files(directory) as files:
-        for t in targets:
-            for piece in t.entry.pieces:
-                _check_file(files, t.entry, piece)
-        total = sum(t.entry.nbytes for t in targets)
         staged: dict[int, list[torch.Tensor]] = {}
-        done = 0
-        fresh_only = all(d is None for t in targets for _, d in t.dests)
-        if total <= staging_bytes or fresh_only:
-            for i, t in enumerate(targets):
-                staged[i] = restore_shards(files, t.entry, t.layout, [s for s, _ in t.dests])
-                done += t.entry.nbytes
-                if progress:
-                    progress(done, total)
-        else:
-            for i, t in enumerate(targets):
-                if any(d is None for _, d in t.dests):
+        done, error = 0, None
+        try:
+            manifest = Manifest.read(directory)
+            targets, optimizer_plans = _plan(manifest, state, directory)
+            for t in targets:
+                for piece in t.entry.pieces:
+                    _check_file(files, t.entry, piece)
+            total = sum(t.entry.nbytes for t in targets)
+            fresh_only = all(d is None for t in targets for _, d in t.dests)
+            if total <= staging_bytes or fresh_only:
+                for i, t in enumerate(targets):
                     staged[i] = restore_shards(files, t.entry, t.layout, [s for s, _ in t.dests])
-                else:
-                    verify_shards(files, t.entry, t.layout, [s for s, _ in t.dests])
+                    done += t.entry.nbytes
+                    if progress:
+                        progress(done, total)
+            else:
+                for i, t in enumerate(targets):
+                    if any(d is None for _, d in t.dests):
+                        staged[i] = restore_shards(files, t.entry, t.layout, [s for s, _ in t.dests])
+                    else:
+                        verify_shards(files, t.entry, t.layout, [s for s, _ in t.dests])
+        except (ShardvarError, OSError) as e:
+            error = e
+        _agree(coordinator, error)  # every process checked its part: write only if all can
         # Everything needed has been read and verified: write the targets.
         with torch.no_grad():
             for i, t in enumerate(targets):
@@ -418,12 +491,12 @@ def reshard(
     for entry in manifest.variables.values():
         if entry.layout is None:
             layout = None
-            shapes = [entry.shape]
+            shapes = {0: entry.shape}
         else:
             rows = entry.shape[entry.layout.axis]
             n = min(num_shards, max(rows, 1))
             layout = Layout(strategy, get_strategy(strategy).sizes(rows, n), entry.layout.axis)
-            shapes = layout.shard_shapes(entry.shape)
+            shapes = dict(enumerate(layout.shard_shapes(entry.shape)))
         entries.append(
             _Entry(
                 entry.name,

@@ -1,10 +1,13 @@
 """What a state dict holds, as named logical variables.
 
 ``state_dict`` values may be ShardedVariables, tensors, nn.Modules and torch.optim optimizers.
-A module's sharded parameters (any submodule with a ``sharded_variables()`` method, such as
-ShardedEmbedding) become one logical variable each; an optimizer's slot tensors for a sharded
-parameter (Adam's exp_avg, ...) become one logical variable with the parameter's layout, so they
-reshard with it.
+A module's sharded parameters (any submodule with a ``sharded_variables()`` or
+``distributed_variables()`` method, such as ShardedEmbedding or DistributedEmbedding) become one
+logical variable each; an optimizer's slot tensors for a sharded parameter (Adam's exp_avg, ...)
+become one logical variable with the parameter's layout, so they reshard with it.
+
+A sharded variable is seen through :class:`Partial`: its layout and the shards this process
+holds (all of them for a ShardedVariable, this rank's for a distributed one).
 """
 
 from __future__ import annotations
@@ -16,29 +19,51 @@ import torch
 from torch import nn
 
 from .._errors import ShardvarTypeError
+from ..layout import Layout
 from ..variables import ShardedVariable
 
-__all__ = ["State", "resolve", "optimizer_param_names"]
+__all__ = ["Partial", "State", "as_partial", "resolve", "optimizer_param_names"]
+
+
+@dataclass
+class Partial:
+    """A logical variable's layout and the shards of it this process holds, by shard index."""
+
+    layout: Layout
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    shards: dict[int, torch.Tensor]
+
+
+def as_partial(value: Any) -> Partial | None:
+    """A ShardedVariable, or anything with ``layout``, ``shape``, ``dtype`` and ``local_shards()``."""
+    if isinstance(value, ShardedVariable):
+        return Partial(value.layout, tuple(value.shape), value.dtype, dict(enumerate(value.variables)))
+    if all(hasattr(value, a) for a in ("layout", "shape", "dtype", "local_shards")):
+        return Partial(value.layout, tuple(value.shape), value.dtype, value.local_shards())
+    return None
 
 
 @dataclass
 class State:
-    variables: dict[str, ShardedVariable | torch.Tensor] = field(default_factory=dict)
-    shard_of: dict[int, tuple[str, int, ShardedVariable]] = field(
-        default_factory=dict
-    )  # id(param) -> (name, shard, var)
+    variables: dict[str, Partial | torch.Tensor] = field(default_factory=dict)
+    # id(param) -> (logical name, shard index, variable)
+    shard_of: dict[int, tuple[str, int, Partial]] = field(default_factory=dict)
     param_name: dict[int, str] = field(default_factory=dict)  # id(param) -> logical name
     optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
 
 
 def _add_module(state: State, key: str, module: nn.Module) -> None:
     for mod_name, sub in module.named_modules():
-        if not hasattr(sub, "sharded_variables"):
-            continue
-        for local, variable in sub.sharded_variables().items():
+        found = {}
+        for method in ("sharded_variables", "distributed_variables"):
+            if hasattr(sub, method):
+                found.update(getattr(sub, method)())
+        for local, value in found.items():
             name = f"{key}/{mod_name}.{local}" if mod_name else f"{key}/{local}"
+            variable = as_partial(value)
             state.variables[name] = variable
-            for s, shard in enumerate(variable.variables):
+            for s, shard in variable.shards.items():
                 state.shard_of[id(shard)] = (name, s, variable)
     for name, tensor in module.state_dict(keep_vars=True).items():
         if id(tensor) in state.shard_of:
@@ -55,8 +80,10 @@ def resolve(state_dict: dict[str, Any]) -> State:
     for key, obj in state_dict.items():
         if not isinstance(key, str) or not key or "/" in key:
             raise ShardvarTypeError(f"state_dict keys must be non-empty strings without '/'; got {key!r}")
-        if isinstance(obj, ShardedVariable | torch.Tensor):
+        if isinstance(obj, torch.Tensor):
             state.variables[key] = obj
+        elif as_partial(obj) is not None:
+            state.variables[key] = as_partial(obj)
         elif isinstance(obj, nn.Module):
             _add_module(state, key, obj)
         elif isinstance(obj, torch.optim.Optimizer):

@@ -1,7 +1,16 @@
 """Shards spread over the ranks of a torch.distributed process group (gloo on CPU, NCCL on CUDA)."""
 
+from ._checkpoint import load, save
 from ._comm import DEFAULT_TIMEOUT, Comm
 from ._module import DistributedEmbedding
 from ._variable import DistributedShardedVariable, round_robin
 
-__all__ = ["DEFAULT_TIMEOUT", "Comm", "DistributedEmbedding", "DistributedShardedVariable", "round_robin"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "Comm",
+    "DistributedEmbedding",
+    "DistributedShardedVariable",
+    "load",
+    "round_robin",
+    "save",
+]

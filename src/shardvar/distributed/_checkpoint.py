@@ -1,0 +1,77 @@
+"""Checkpoints written and read by all ranks of a group, in the single-process format.
+
+Each rank writes its own shards (and rank 0 the replicated values) into its own data files;
+rank 0 writes the manifest once every rank has written and fsynced its files. Any world size,
+including a single process with ``shardvar.load``, restores it: each rank reads only the chunks
+its own shards need.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any
+
+from ..checkpoint import _io
+from ..checkpoint._io import STAGING_BYTES, Coordinator, Progress
+from ._comm import DEFAULT_TIMEOUT, Comm
+
+__all__ = ["save", "load"]
+
+_COMMS: dict[tuple[int, float], Comm] = {}
+
+
+class GroupCoordinator(Coordinator):
+    """Agreement over a process group: a common save id, gathered metadata, a final barrier."""
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+        self.rank, self.world = comm.rank, comm.world
+
+    def common_save_id(self) -> str:
+        return self.comm.all_gather_object(uuid.uuid4().hex[:16], "the save id")[0]
+
+    def gather(self, obj: Any) -> list[Any]:
+        return self.comm.all_gather_object(obj, "checkpoint metadata")
+
+    def barrier(self) -> None:
+        self.comm.barrier("checkpoint commit")
+
+
+def _coordinator(group: Any, timeout: float) -> GroupCoordinator:
+    key = (id(group), timeout)
+    if key not in _COMMS:
+        _COMMS[key] = Comm(group, timeout)
+    return GroupCoordinator(_COMMS[key])
+
+
+def save(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike,
+    *,
+    group: Any = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    progress: Progress | None = None,
+) -> None:
+    """Like :func:`shardvar.save`, called by every rank: each writes its own shards.
+
+    ``state_dict`` may hold DistributedShardedVariables, modules with DistributedEmbeddings,
+    replicated tensors and modules (written once, by rank 0), and each rank's optimizer.
+    """
+    _io.save(state_dict, path, progress=progress, keep_spare=False, coordinator=_coordinator(group, timeout))
+
+
+def load(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike,
+    *,
+    group: Any = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    staging_bytes: int = STAGING_BYTES,
+    progress: Progress | None = None,
+) -> None:
+    """Like :func:`shardvar.load`, called by every rank: each restores its own shards.
+
+    Every rank checks its part first; no rank writes anything unless all of them can.
+    """
+    _io.load(state_dict, path, staging_bytes=staging_bytes, progress=progress, coordinator=_coordinator(group, timeout))
