@@ -203,7 +203,8 @@ def _write(
             expected = list(range(layout.num_shards if layout else 1))
             if [s for s, _ in found] != expected:
                 raise CheckpointError(
-                    f"variable {name!r}: the processes wrote shards {[s for s, _ in found]}; expected each of {expected}"
+                    f"variable {name!r}: the processes wrote shards {[s for s, _ in found]}; "
+                    f"expected each of {expected}"
                 )
             variables[name] = VariableEntry(name, dtype, shape, layout, tuple(p for _, p in found))
         _commit(directory, Manifest(variables, extra, save_id), save_id, keep_spare and single)
@@ -266,6 +267,7 @@ def save(
     files on thin-provisioned disks; ``keep_spare=False`` deletes them instead.
 
     >>> import tempfile
+    >>> from shardvar import ShardedVariable
     >>> v = ShardedVariable([torch.zeros(2, 3), torch.ones(2, 3)])
     >>> with tempfile.TemporaryDirectory() as d:
     ...     save({"table": v}, d)

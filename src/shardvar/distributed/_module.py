@@ -61,4 +61,5 @@ class DistributedEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         v = self.variable
-        return f"{self.num_embeddings}, {self.embedding_dim}, layout={self.layout}, rank={v.comm.rank}/{v.comm.world}, owned={v.owned}"
+        where = f"rank={v.comm.rank}/{v.comm.world}, owned={v.owned}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, layout={self.layout}, {where}"

@@ -65,7 +65,8 @@ class DistributedShardedVariable:
         self.placement = tuple(round_robin(n, self.comm.world) if placement is None else placement)
         if len(self.placement) != n or any(not 0 <= r < self.comm.world for r in self.placement):
             raise ShardvarValueError(
-                f"placement must give a rank in [0, {self.comm.world}) for each of the {n} shards; got {list(self.placement)}"
+                f"placement must give a rank in [0, {self.comm.world}) for each of the {n} shards; "
+                f"got {list(self.placement)}"
             )
         self._check_agreement()
         self.initializer = initializer or RowInitializer()
