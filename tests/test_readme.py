@@ -32,6 +32,7 @@ def test_shell_blocks_run(tmp_path) -> None:
 
     blocks = re.findall(r"```sh\n(.*?)```", README, re.S)[2:]  # the first two are the set-up commands
     assert blocks
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
     for block in blocks:
         out = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, capture_output=True, text=True)
         assert out.returncode == 0, block + out.stderr
