@@ -91,9 +91,10 @@ def main() -> None:
         single = procs * args.batch * args.repeats / (time.perf_counter() - start)
         baseline = baseline or rate
         sent, bound = sum(s["sent"] for s in stats), sum(s["bound"] for s in stats)
+        ratio = f"{sent / bound:.3f}x" if bound else "-"
         rows.append([
             procs, f"{rate / 1e6:.2f} M", f"{rate / single:.2f}x", f"{rate / baseline:.2f}x",
-            f"{sent / procs / 1024:.0f} KiB", f"{bound / procs / 1024:.0f} KiB", f"{sent / bound:.3f}x" if bound else "-",
+            f"{sent / procs / 1024:.0f} KiB", f"{bound / procs / 1024:.0f} KiB", ratio,
         ])  # fmt: skip
     print(
         f"table {args.rows} x {args.dim} float32 (mod, one shard per rank), {args.batch} Zipf ids per rank per lookup\n"

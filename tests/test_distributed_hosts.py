@@ -80,7 +80,7 @@ def test_two_hosts_train_like_one_process(tmp_path: Path, two_hosts) -> None:
         out, _ = p.communicate(timeout=240)
         assert p.returncode == 0, out
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    firsts, table, head = single_process_reference(2, "mod", 3, 10, 4)
+    firsts, table, _ = single_process_reference(2, "mod", 3, 10, 4)
     for rank, r in enumerate(results):
         torch.testing.assert_close(r["first"], firsts[rank], atol=1e-6, rtol=0)
     parts = {s: t for r in results for s, t in r["shards"].items()}
