@@ -9,7 +9,8 @@ from conftest import ROOT
 README = (ROOT / "README.md").read_text()
 
 
-def test_python_blocks_run() -> None:
+def test_python_blocks_run(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # blocks may write files
     blocks = re.findall(r"```python\n(.*?)```", README, re.S)
     assert blocks
     for block in blocks:

@@ -19,6 +19,14 @@ from .partitioners import (
     min_max_variable_partitioner,
     variable_axis_size_partitioner,
 )
+from .transform import (
+    PartitionSpec,
+    Plan,
+    StatefulPartitionedCall,
+    partition_model,
+    partitioned_call,
+    plan,
+)
 from .variables import (
     RowInitializer,
     ShardedVariable,
@@ -41,9 +49,12 @@ __all__ = [
     "MaxSizePartitioner",
     "MinSizePartitioner",
     "Partitioner",
+    "PartitionSpec",
     "PartitionerConfig",
+    "Plan",
     "RowInitializer",
     "ShardedEmbedding",
+    "StatefulPartitionedCall",
     "ShardedEmbeddingBag",
     "ShardedVariable",
     "ShardvarDistributedError",
@@ -60,6 +71,9 @@ __all__ = [
     "fixed_size_partitioner",
     "load",
     "min_max_variable_partitioner",
+    "partition_model",
+    "partitioned_call",
+    "plan",
     "read_shard",
     "reshard",
     "safe_embedding_lookup_sparse",

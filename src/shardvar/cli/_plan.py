@@ -64,7 +64,65 @@ def _describe(p: Partitioner) -> str:
     return f"MaxSize({format_bytes(p.max_shard_bytes)}, max_shards={p.max_shards})"
 
 
+def parse_size(text: str) -> int:
+    units = {
+        "": 1,
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    unit = text[len(number) :].upper()
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"bad size {text!r}; expected e.g. 512MiB, 2GB or 1000000") from None
+    return int(value)
+
+
+def parse_named(kind: str):
+    def parse(text: str) -> tuple[str, object]:
+        name, sep, value = text.partition("=")
+        if not sep or not name:
+            raise argparse.ArgumentTypeError(f"bad {kind} {text!r}; expected NAME=VALUE")
+        return name, parse_size(value) if kind == "device" else parse_shape(value.replace("x", ","))
+
+    return parse
+
+
+def run_planner(args: argparse.Namespace) -> int:
+    from ..transform import plan
+
+    shapes = dict(
+        args.var or [(f"var{i}", s) for i, s in enumerate(args.shape or [parse_shape(s) for s in DEFAULT_SHAPES])]
+    )
+    try:
+        result = plan(shapes, dict(args.device), dtype=args.dtype)
+        if args.png:
+            result.draw(args.png)
+    except ShardvarError as e:
+        raise SystemExit(f"shardvar plan: {e}") from None
+    print(f"Plan for {len(shapes)} {args.dtype} variables over {len(args.device)} devices:\n")
+    print(result.table())
+    print()
+    rows = [
+        [n, "x".join(map(str, shapes[n])), format_sizes(result.strategy[n].partitioner.sizes), ", ".join(d)]
+        for n, d in result.placement.items()
+    ]
+    print(render_table(["variable", "shape", "rows per shard", "devices"], rows))
+    if args.png:
+        print(f"\nshard map written to {args.png}")
+    return 0
+
+
 def run_plan(args: argparse.Namespace) -> int:
+    if args.device:
+        return run_planner(args)
     rows = []
     for shape in args.shape or [parse_shape(s) for s in DEFAULT_SHAPES]:
         for p in args.partitioner or [parse_partitioner(s) for s in DEFAULT_PARTITIONERS]:
@@ -97,4 +155,14 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", help="torch dtype name, or 'string'")
     p.add_argument("--axis", type=int, default=0)
     p.add_argument("--strategy", choices=["div", "mod"], default="div")
+    p.add_argument(
+        "--device",
+        action="append",
+        type=parse_named("device"),
+        help="NAME=BUDGET (e.g. cuda:0=20GiB): plan a placement",
+    )
+    p.add_argument(
+        "--var", action="append", type=parse_named("var"), help="NAME=SHAPE (e.g. users=1000000x64), with --device"
+    )
+    p.add_argument("--png", help="with --device: draw the shard map to this PNG (needs matplotlib)")
     p.set_defaults(func=run_plan)
