@@ -77,3 +77,68 @@ def test_progress_bar_draws_only_on_a_terminal() -> None:
     with ProgressBar("work", stream=quick, delay=60) as bar:
         bar(1, 2)
     assert quick.getvalue() == ""  # work shorter than the delay stays quiet
+
+
+def test_demo_trains_checkpoints_and_restores(tmp_path) -> None:
+    out = run(
+        "demo", "--users", "3000", "--items", "800", "--dim", "8", "--steps", "60", "--checkpoint", str(tmp_path / "ck")
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "predictions after restore             match" in out.stdout or "match (max |diff|" in out.stdout
+    assert "mod: 750,750,750,750" in out.stdout and "div: 1000,1000,1000" in out.stdout
+    assert "sharded step     60/60" in out.stdout  # progress lines off a terminal
+
+
+def test_demo_on_two_processes(tmp_path) -> None:
+    out = run(
+        "demo",
+        "--procs",
+        "2",
+        "--users",
+        "2000",
+        "--items",
+        "500",
+        "--dim",
+        "8",
+        "--steps",
+        "30",
+        "--checkpoint",
+        str(tmp_path / "ck"),
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "rank 1" in out.stdout and "match (max |diff|" in out.stdout
+
+
+def test_bench_writes_ratios(tmp_path) -> None:
+    import json
+
+    path = tmp_path / "bench.json"
+    out = run(
+        "bench",
+        "--rows",
+        "4096",
+        "--ids",
+        "4096",
+        "--dim",
+        "64",
+        "--checkpoint-mib",
+        "1",
+        "--repeats",
+        "2",
+        "--json",
+        str(path),
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    results = json.loads(path.read_text())["results"]
+    names = " ".join(r["benchmark"] for r in results)
+    for expected in (
+        "embedding_lookup",
+        "scatter_add",
+        "training step",
+        "checkpoint save",
+        "checkpoint restore",
+        "distributed lookup",
+    ):
+        assert expected in names
+    assert all(r["ratio"] > 0 for r in results)
+    assert results[-1]["bytes_sent_vs_bound"] < 1.1  # rows of 256 bytes; each id adds 8

@@ -20,7 +20,7 @@ def test_python_blocks_run(tmp_path, monkeypatch) -> None:
 def test_readme_starts_with_exactly_two_setup_commands() -> None:
     blocks = re.findall(r"```(\w*)\n(.*?)```", README, re.S)
     first_two = [body.strip() for _, body in blocks[:2]]
-    assert first_two[0].startswith("pip install torch==2.13.0 -e . && shardvar ")
+    assert first_two[0] == "pip install torch==2.13.0 -e . && shardvar demo"
     assert first_two[1].startswith('pip install torch==2.13.0 -e ".[test]"')
     assert all("\n" not in c for c in first_two)
     assert README.index(blocks[0][1]) < README.index("## ")

@@ -6,13 +6,17 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from ._bench import add_bench_parser
 from ._checkpoint import add_checkpoint_parsers
+from ._demo import add_demo_parser
 from ._plan import add_plan_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardvar", description="Partitioned variables for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
+    add_demo_parser(sub)
+    add_bench_parser(sub)
     add_plan_parser(sub)
     add_checkpoint_parsers(sub)
     return parser
