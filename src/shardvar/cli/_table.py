@@ -4,15 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .._format import format_bytes
+
 __all__ = ["format_bytes", "format_sizes", "render_table"]
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def format_sizes(sizes: Sequence[int]) -> str:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .._errors import ShardvarError, ShardvarValueError
+from .._format import format_bytes
 from ..layout import Layout
 from ..partitioners import check_shape, element_size
 from ._spec import PartitionSpec
@@ -25,14 +26,6 @@ __all__ = ["Plan", "PlanError", "plan"]
 
 class PlanError(ShardvarError, ValueError):
     """The variables do not fit the devices; the message says which device and by how much."""
-
-
-def _fmt(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 @dataclass
@@ -53,8 +46,9 @@ class Plan:
                 f"{name}[{self.placement[name].index(d)}]" for name in self.placement if d in self.placement[name]
             ]
             share = f"{self.load.get(d, 0.0):7.1%}" if self.load else "      -"
+            used = self.used.get(d, 0)
             lines.append(
-                f"{d:<12} {_fmt(budget):>11} {_fmt(self.used.get(d, 0)):>11} {self.used.get(d, 0) / budget:6.1%} "
+                f"{d:<12} {format_bytes(budget):>11} {format_bytes(used):>11} {used / budget:6.1%} "
                 f"{share:>8}  {', '.join(shards) or '-'}"
             )
         return "\n".join(lines)
@@ -146,10 +140,10 @@ def plan(
     total, capacity = sum(i[3] for i in items), sum(budgets.values())
     fair = {d: total * b / capacity for d, b in budgets.items()}
     if total > capacity:
-        short = ", ".join(f"{d} by {_fmt(fair[d] - budgets[d])}" for d in budgets)
+        short = ", ".join(f"{d} by {format_bytes(fair[d] - budgets[d])}" for d in budgets)
         raise PlanError(
-            f"the variables need {_fmt(total)} but the devices hold {_fmt(capacity)}: short by "
-            f"{_fmt(total - capacity)} in all (at a balanced fill: {short})"
+            f"the variables need {format_bytes(total)} but the devices hold {format_bytes(capacity)}: short by "
+            f"{format_bytes(total - capacity)} in all (at a balanced fill: {short})"
         )
     used = dict.fromkeys(budgets, 0)
     load = dict.fromkeys(budgets, 0.0)
@@ -194,7 +188,9 @@ def plan(
     if over:
         raise PlanError(
             "no split fits: "
-            + ", ".join(f"{d} would be over its {_fmt(budgets[d])} budget by {_fmt(x)}" for d, x in over.items())
+            + ", ".join(
+                f"{d} would be over its {format_bytes(budgets[d])} budget by {format_bytes(x)}" for d, x in over.items()
+            )
         )
     if frequencies:
         weight = sum(1 for n in frequencies if n in shapes)
