@@ -87,6 +87,7 @@ def test_demo_trains_checkpoints_and_restores(tmp_path) -> None:
     assert "predictions after restore             match" in out.stdout or "match (max |diff|" in out.stdout
     assert "mod: 750,750,750,750" in out.stdout and "div: 1000,1000,1000" in out.stdout
     assert "sharded step     60/60" in out.stdout  # progress lines off a terminal
+    assert "Warning" not in out.stderr, out.stderr
 
 
 def test_demo_on_two_processes(tmp_path) -> None:

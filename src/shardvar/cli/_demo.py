@@ -164,10 +164,11 @@ def run_demo(args: argparse.Namespace) -> int:
     except ShardvarError as e:
         raise SystemExit(f"shardvar demo: {e}") from None
     first, last = sum(losses[:20]) / min(20, len(losses)), sum(losses[-20:]) / min(20, len(losses))
-    same = max(
-        float((model.users.weight.to_tensor() - plain.users.weight).abs().max()),
-        float((model.items.weight.to_tensor() - plain.items.weight).abs().max()),
-    )
+    with torch.no_grad():
+        same = max(
+            float((model.users.weight.to_tensor() - plain.users.weight).abs().max()),
+            float((model.items.weight.to_tensor() - plain.items.weight).abs().max()),
+        )
     _summary(
         model,
         restored,
