@@ -28,31 +28,12 @@ from _common import print_table, zipf_ids
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    from shardvar.distributed import DistributedEmbedding
+    from shardvar.cli._bench import measure_distributed_lookup
 
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    emb = DistributedEmbedding(args.rows, args.dim, world, "mod")
-    ids = zipf_ids(args.batch, args.rows, seed=100 + rank)
-    comm = emb.variable.comm
-    with torch.no_grad():
-        for _ in range(2):
-            emb(ids)
-        dist.barrier()
-        sent_before = comm.bytes_sent
-        start = time.perf_counter()
-        for _ in range(args.repeats):
-            emb(ids)
-        dist.barrier()
-        seconds = time.perf_counter() - start
-    unique = torch.unique(ids)
-    owner = torch.tensor(emb.variable.placement)[emb.layout.locate(unique)[0]]
-    remote = int((owner != rank).sum())
-    stats = {"seconds": seconds, "sent": (comm.bytes_sent - sent_before) / args.repeats, "bound": remote * args.dim * 4}
-    everyone = [None] * world
-    dist.all_gather_object(everyone, stats)
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(everyone))
+    stats = measure_distributed_lookup(args.rows, args.dim, args.batch, args.repeats)
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(stats))
     dist.destroy_process_group()
 
 
@@ -81,8 +62,8 @@ def main() -> None:
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // procs))}
         subprocess.run(cmd, check=True, env=env, capture_output=True)
         stats = json.loads(Path(args.out).read_text())
-        seconds = max(s["seconds"] for s in stats)
-        rate = procs * args.batch * args.repeats / seconds
+        seconds = max(s["ms"] for s in stats) / 1e3  # per lookup
+        rate = procs * args.batch / seconds
         ids = [zipf_ids(args.batch, args.rows, seed=100 + r) for r in range(procs)]
         start = time.perf_counter()
         for _ in range(args.repeats):

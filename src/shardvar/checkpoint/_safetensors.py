@@ -19,7 +19,7 @@ from typing import BinaryIO
 
 import torch
 
-__all__ = ["DTYPE_CODES", "CHUNK_BYTES", "FileWriter", "StoredTensor", "write_tensors", "read_header", "read_chunks"]
+__all__ = ["DTYPE_CODES", "CHUNK_BYTES", "FileWriter", "StoredTensor", "read_chunks"]
 
 CHUNK_BYTES = 4 << 20  # checksum granularity: partial reads verify exactly the chunks they touch
 
@@ -119,29 +119,6 @@ class FileWriter:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
-
-
-def write_tensors(path: str, tensors: list[tuple[str, torch.Tensor]]) -> list[StoredTensor]:
-    """Write ``tensors`` as one safetensors file, fsync it, and return where each one lies."""
-    writer = FileWriter(path, [(k, tuple(t.shape), t.dtype) for k, t in tensors])
-    for key, t in tensors:
-        writer.write(key, t)
-    writer.close()
-    return writer.stored
-
-
-def read_header(f: BinaryIO, file_size: int) -> tuple[dict, int]:
-    """The JSON header and where the data starts; ValueError on anything malformed."""
-    head = f.read(8)
-    if len(head) != 8:
-        raise ValueError("file is shorter than the 8-byte safetensors header length")
-    (n,) = struct.unpack("<Q", head)
-    if n > file_size - 8 or n > 100 << 20:
-        raise ValueError(f"safetensors header length {n} does not fit a file of {file_size} bytes")
-    header = json.loads(f.read(n))
-    if not isinstance(header, dict):
-        raise ValueError("safetensors header is not a JSON object")
-    return header, 8 + n
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> int:

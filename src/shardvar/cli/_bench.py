@@ -115,32 +115,45 @@ def bench_checkpoint(args: argparse.Namespace) -> list[dict]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _dist_worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+def measure_distributed_lookup(rows: int, dim: int, batch: int, repeats: int) -> list[dict]:
+    """Time lookups of ``batch`` Zipf ids per rank in a mod-sharded table (one shard per rank).
+
+    Every rank of the initialised default group calls it; each gets every rank's
+    ``{"ms": per lookup, "sent": bytes to other ranks per lookup, "bound": distinct remote ids x row bytes}``.
+    """
     import torch.distributed as dist
 
     from ..distributed import DistributedEmbedding
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    emb = DistributedEmbedding(args.rows, args.dim, world, "mod")
-    ids = zipf_ids(args.ids // world, args.rows, seed=100 + rank)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    emb = DistributedEmbedding(rows, dim, world, "mod")
+    ids = zipf_ids(batch, rows, seed=100 + rank)
     comm = emb.variable.comm
     with torch.no_grad():
         emb(ids)
         dist.barrier()
         sent = comm.bytes_sent
         start = time.perf_counter()
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             emb(ids)
         dist.barrier()
-        seconds = (time.perf_counter() - start) / args.repeats
+        seconds = (time.perf_counter() - start) / repeats
     unique = torch.unique(ids)
     remote = int((torch.tensor(emb.variable.placement)[emb.layout.locate(unique)[0]] != rank).sum())
-    stats = [None] * world
+    stats: list = [None] * world
     dist.all_gather_object(
-        stats, {"ms": seconds * 1e3, "sent": (comm.bytes_sent - sent) / args.repeats, "bound": remote * args.dim * 4}
+        stats, {"ms": seconds * 1e3, "sent": (comm.bytes_sent - sent) / repeats, "bound": remote * dim * 4}
     )
+    return stats
+
+
+def _dist_worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    stats = measure_distributed_lookup(args.rows, args.dim, args.ids // world, args.repeats)
     if rank == 0:
         Path(out).write_text(json.dumps(stats))
     dist.destroy_process_group()

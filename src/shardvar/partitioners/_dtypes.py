@@ -6,11 +6,9 @@ import torch
 
 from .._errors import ShardvarTypeError, ShardvarValueError
 
-__all__ = ["STRING", "DTypeLike", "element_size", "resolve_dtype"]
+__all__ = ["STRING", "element_size", "resolve_dtype"]
 
 STRING = "string"  # torch has no string dtype; the reference sizes strings by a bytes-per-string argument
-
-DTypeLike = "torch.dtype | str"
 
 _ALIASES = {"bool": torch.bool, "float": torch.float32, "double": torch.float64, "half": torch.float16}
 
