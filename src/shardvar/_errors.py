@@ -6,7 +6,14 @@ built-in, so callers may catch either ``shardvar.ShardvarError`` or ``ValueError
 
 from __future__ import annotations
 
-__all__ = ["ShardvarError", "ShardvarValueError", "ShardvarIndexError", "ShardvarTypeError", "ShardvarDistributedError"]
+__all__ = [
+    "ShardvarError",
+    "ShardvarValueError",
+    "ShardvarIndexError",
+    "ShardvarTypeError",
+    "ShardvarIntegerError",
+    "ShardvarDistributedError",
+]
 
 
 class ShardvarError(Exception):
@@ -23,6 +30,14 @@ class ShardvarIndexError(ShardvarError, IndexError):
 
 class ShardvarTypeError(ShardvarError, TypeError):
     """An argument has the wrong type (non-integer ids, a non-tensor shard...)."""
+
+
+class ShardvarIntegerError(ShardvarTypeError, ShardvarValueError):
+    """A non-integer (a float, a bool, a string...) where an integer is expected.
+
+    It is a TypeError, and also a ValueError for callers that validate counts and sizes by
+    catching ValueError (as numpy's AxisError is both a ValueError and an IndexError).
+    """
 
 
 class ShardvarDistributedError(ShardvarError, RuntimeError):

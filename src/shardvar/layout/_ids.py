@@ -6,7 +6,7 @@ import torch
 
 from .._errors import ShardvarIndexError, ShardvarTypeError
 
-__all__ = ["as_ids", "check_ids"]
+__all__ = ["as_ids", "check_ids", "last_occurrence", "group_positions"]
 
 _INTEGER_DTYPES = frozenset(
     {torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64}
@@ -48,3 +48,24 @@ def check_ids(ids: torch.Tensor, num_rows: int) -> None:
         else:
             position = flat
         raise ShardvarIndexError(f"ids must be in [0, {num_rows}); got {value} at position {position}")
+
+
+def last_occurrence(ids: torch.Tensor) -> torch.Tensor:
+    """Positions of the last occurrence of each distinct id, so a duplicated write is 'last wins'."""
+    if ids.numel() <= 1:
+        return torch.arange(ids.numel(), device=ids.device)
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    last = torch.full((unique.numel(),), -1, dtype=torch.int64, device=ids.device)
+    return last.scatter_reduce_(0, inverse, torch.arange(ids.numel(), device=ids.device), "amax")
+
+
+def group_positions(keys: torch.Tensor, num_groups: int) -> list[tuple[int, torch.Tensor]]:
+    """For each key value in [0, num_groups) present: (value, positions holding it, ascending).
+
+    One stable sort for all groups, so the cost does not grow with the number of groups.
+    """
+    if num_groups == 1:
+        return [(0, torch.arange(keys.numel(), device=keys.device))] if keys.numel() else []
+    order = torch.argsort(keys, stable=True)
+    counts = torch.bincount(keys, minlength=num_groups).tolist()
+    return [(g, pos) for g, pos in enumerate(order.split(counts)) if pos.numel()]

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .._errors import ShardvarIndexError, ShardvarTypeError, ShardvarValueError
-from ._ids import as_ids, check_ids
+from .._validate import check_int, check_int_sequence
+from ._ids import as_ids, check_ids, group_positions
 from ._slices import SlicePlan, normalise_slice
-from ._strategies import balanced_sizes, check_int_sequence, get_strategy
+from ._strategies import Strategy, balanced_sizes, get_strategy, starts_of
 
 __all__ = ["Layout", "ceil_sizes"]
 
@@ -28,21 +30,6 @@ def ceil_sizes(num_rows: int, num_shards: int) -> tuple[int, ...]:
     return tuple(max(0, min(chunk, num_rows - s * chunk)) for s in range(num_shards))
 
 
-def _check_count(value: object, what: str, minimum: int) -> int:
-    return check_int_sequence([value], what, minimum)[0]
-
-
-def normalise_axis(axis: object, ndim: int) -> int:
-    """Python-style axis (negative counts from the end) checked against ``ndim``."""
-    if isinstance(axis, bool) or not isinstance(axis, int):
-        raise ShardvarTypeError(f"axis must be an int; got {axis!r}")
-    if not -ndim <= axis < ndim:
-        raise ShardvarValueError(
-            f"axis {axis} is out of range for a tensor of {ndim} dimension(s); expected [{-ndim}, {ndim})"
-        )
-    return axis % ndim
-
-
 @dataclass(frozen=True)
 class Layout:
     """How a logical tensor is split into shards along ``axis``.
@@ -50,15 +37,19 @@ class Layout:
     ``strategy="div"``: shard s holds a contiguous range of ``sizes[s]`` rows (any sizes; the
     reference's balanced split gives the first ``rows % n`` shards one extra row).
     ``strategy="mod"``: id i lives in shard ``i % n`` at local row ``i // n``.
+    A layout splits a tensor into its shards (:meth:`split`), joins them back (:meth:`join`)
+    and serialises itself (:meth:`to_json`, :meth:`from_json`).
 
     >>> layout = Layout.div(10, 4)
     >>> layout
     Layout(strategy='div', sizes=(3, 3, 2, 2), axis=0)
     >>> layout.locate(torch.tensor([0, 3, 9]))
     (tensor([0, 1, 3]), tensor([0, 0, 1]))
+    >>> eval(repr(layout)) == layout and Layout.from_json(layout.to_json()) == layout
+    True
     """
 
-    strategy: str
+    strategy: Strategy
     sizes: tuple[int, ...]
     axis: int = 0
 
@@ -69,9 +60,9 @@ class Layout:
         sizes = check_int_sequence(self.sizes, "shard sizes", 0)
         if not sizes:
             raise ShardvarValueError("a layout needs at least one shard; got sizes ()")
-        axis = _check_count(self.axis, "axis", 0)
+        axis = check_int(self.axis, "axis", minimum=0)
         strategy.check_sizes(sizes)
-        object.__setattr__(self, "strategy", strategy.name)
+        object.__setattr__(self, "strategy", strategy)
         object.__setattr__(self, "sizes", sizes)
         object.__setattr__(self, "axis", axis)
 
@@ -79,14 +70,20 @@ class Layout:
     @classmethod
     def div(cls, num_rows: int, num_shards: int, axis: int = 0) -> Layout:
         """Contiguous ranges; the first ``num_rows % num_shards`` shards get one extra row."""
-        n = _check_count(num_shards, "num_shards", 1)
-        return cls("div", balanced_sizes(_check_count(num_rows, "num_rows", 0), n), axis)
+        return cls.balanced("div", num_rows, num_shards, axis)
 
     @classmethod
     def mod(cls, num_rows: int, num_shards: int, axis: int = 0) -> Layout:
         """Id i in shard ``i % num_shards`` at row ``i // num_shards``."""
-        n = _check_count(num_shards, "num_shards", 1)
-        return cls("mod", balanced_sizes(_check_count(num_rows, "num_rows", 0), n), axis)
+        return cls.balanced("mod", num_rows, num_shards, axis)
+
+    @classmethod
+    def balanced(cls, strategy: str | Strategy, num_rows: int, num_shards: int, axis: int = 0) -> Layout:
+        """``strategy``'s canonical sizes for ``num_rows`` rows over ``num_shards`` shards."""
+        n = check_int(num_shards, "num_shards", minimum=1)
+        rows = check_int(num_rows, "num_rows", minimum=0)
+        strategy = get_strategy(strategy)
+        return cls(strategy, strategy.sizes(rows, n), axis)
 
     @classmethod
     def explicit(cls, sizes: Sequence[int], axis: int = 0) -> Layout:
@@ -96,8 +93,8 @@ class Layout:
     @classmethod
     def ceil(cls, num_rows: int, num_shards: int, axis: int = 0) -> Layout:
         """Contiguous ``torch.chunk``-style ranges, as DTensor and TorchRec split rows."""
-        n = _check_count(num_shards, "num_shards", 1)
-        return cls("div", ceil_sizes(_check_count(num_rows, "num_rows", 0), n), axis)
+        n = check_int(num_shards, "num_shards", minimum=1)
+        return cls("div", ceil_sizes(check_int(num_rows, "num_rows", minimum=0), n), axis)
 
     @classmethod
     def from_partitions(cls, shape: Sequence[int], partitions: Sequence[int], strategy: str = "div") -> Layout:
@@ -119,7 +116,20 @@ class Layout:
             raise ShardvarValueError(
                 f"cannot split axis {axis} of size {shape[axis]} into {n} shards; at most {shape[axis]}"
             )
-        return cls(strategy, get_strategy(strategy).sizes(shape[axis], n), axis)
+        return cls.balanced(strategy, shape[axis], n, axis)
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> Layout:
+        """The layout :meth:`to_json` wrote; anything malformed raises ShardvarValueError."""
+        if not isinstance(obj, Mapping) or set(obj) != {"strategy", "sizes", "axis"}:
+            raise ShardvarValueError(f"a layout's JSON form is {{'strategy', 'sizes', 'axis'}}; got {obj!r:.200}")
+        if not isinstance(obj["sizes"], (list, tuple)):
+            raise ShardvarValueError(f"a layout's sizes must be a list of ints; got {obj['sizes']!r:.100}")
+        return cls(obj["strategy"], tuple(obj["sizes"]), obj["axis"])
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict: ``{"strategy": ..., "sizes": [...], "axis": ...}``."""
+        return {"strategy": str(self.strategy.name), "sizes": list(self.sizes), "axis": self.axis}
 
     # -- properties ---------------------------------------------------------------------------
     @property
@@ -131,13 +141,28 @@ class Layout:
         return sum(self.sizes)
 
     @property
+    def contiguous(self) -> bool:
+        """Whether each shard holds one contiguous range of logical rows."""
+        return self.strategy.contiguous
+
+    @property
+    def is_balanced(self) -> bool:
+        """Whether the sizes are the strategy's canonical ones (the reference's split)."""
+        return self.sizes == balanced_sizes(self.num_rows, self.num_shards)
+
+    @property
     def offsets(self) -> tuple[int, ...]:
         """First logical row of each shard (``div`` only: ``mod`` shards are not contiguous)."""
-        if not get_strategy(self.strategy).contiguous:
+        if not self.contiguous:
             raise ShardvarValueError(
                 f"{self.strategy} shards are not contiguous ranges; use shard_ids(s) instead of offsets"
             )
-        return _offsets(self.sizes)
+        return starts_of(self.sizes)
+
+    @property
+    def storage_offsets(self) -> tuple[int, ...]:
+        """First row of each shard when the shards lie back to back in shard order (any strategy)."""
+        return starts_of(self.sizes)
 
     def __str__(self) -> str:
         return f"{self.strategy}[{', '.join(map(str, self.sizes))}]@axis{self.axis}"
@@ -155,15 +180,40 @@ class Layout:
             )
         return shape
 
+    def _check_shard(self, shard: int) -> int:
+        if not 0 <= shard < self.num_shards:
+            raise ShardvarIndexError(f"shard must be in [0, {self.num_shards}); got {shard}")
+        return shard
+
     def shard_shape(self, shape: Sequence[int], shard: int) -> tuple[int, ...]:
         """Shape of shard ``shard`` of a logical tensor of ``shape``."""
         shape = self.check_shape(shape)
-        if not 0 <= shard < self.num_shards:
-            raise ShardvarIndexError(f"shard must be in [0, {self.num_shards}); got {shard}")
+        self._check_shard(shard)
         return (*shape[: self.axis], self.sizes[shard], *shape[self.axis + 1 :])
 
     def shard_shapes(self, shape: Sequence[int]) -> list[tuple[int, ...]]:
         return [self.shard_shape(shape, s) for s in range(self.num_shards)]
+
+    # -- tensors ------------------------------------------------------------------------------
+    def split(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Each shard's part of the logical ``tensor``, as views of it (clone to own them).
+
+        >>> [p.tolist() for p in Layout.mod(5, 2).split(torch.arange(5))]
+        [[0, 2, 4], [1, 3]]
+        """
+        self.check_shape(tensor.shape)
+        return self.strategy.split(tensor, self.sizes, self.axis)
+
+    def join(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The logical tensor from its shards (on the first part's device; differentiable).
+
+        >>> Layout.mod(5, 2).join([torch.tensor([0, 2, 4]), torch.tensor([1, 3])]).tolist()
+        [0, 1, 2, 3, 4]
+        """
+        if len(parts) != self.num_shards:
+            raise ShardvarValueError(f"layout {self} joins {self.num_shards} shards; got {len(parts)}")
+        device = parts[0].device
+        return self.strategy.join([p.to(device) for p in parts], self.sizes, self.axis)
 
     # -- ids ----------------------------------------------------------------------------------
     def locate(self, ids: object, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,7 +221,7 @@ class Layout:
         ids = as_ids(ids)
         if check:
             check_ids(ids, self.num_rows)
-        return get_strategy(self.strategy).locate(self.sizes, ids)
+        return self.strategy.locate(self.sizes, ids)
 
     def global_ids(self, shard: object, row: object) -> torch.Tensor:
         """(shard, local row) -> logical ids; the inverse of :meth:`locate`."""
@@ -184,28 +234,33 @@ class Layout:
             i = int(torch.nonzero(bad.reshape(-1))[0])
             s, r = int(shard.reshape(-1)[i]), int(row.reshape(-1)[i])
             raise ShardvarIndexError(f"local row must be in [0, {self.sizes[s]}) for shard {s}; got {r}")
-        return get_strategy(self.strategy).global_ids(self.sizes, shard, row)
+        return self.strategy.global_ids(self.sizes, shard, row)
+
+    def split_ids(self, ids: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """For each shard that valid 1-D ``ids`` touch: (shard, positions in ``ids``, local rows).
+
+        >>> [(s, p.tolist(), r.tolist()) for s, p, r in Layout.mod(10, 2).split_ids(torch.tensor([3, 4, 5]))]
+        [(0, [1], [2]), (1, [0, 2], [1, 2])]
+        """
+        shard, row = self.strategy.locate(self.sizes, ids)
+        return [(s, pos, row.index_select(0, pos)) for s, pos in group_positions(shard, self.num_shards)]
 
     def storage_rows(self, ids: object, check: bool = True) -> torch.Tensor:
         """Row of each logical id in the shards concatenated in shard order (their storage order)."""
         ids = as_ids(ids)
         if check:
             check_ids(ids, self.num_rows)
-        return get_strategy(self.strategy).storage_rows(self.sizes, ids)
+        return self.strategy.storage_rows(self.sizes, ids)
 
     def shard_progression(self, shard: int) -> tuple[int, int, int]:
         """(start, step, count): shard ``shard`` holds logical indices ``start + step * i``, i < count."""
-        if not 0 <= shard < self.num_shards:
-            raise ShardvarIndexError(f"shard must be in [0, {self.num_shards}); got {shard}")
-        start, step = get_strategy(self.strategy).progression(self.sizes, shard)
+        start, step = self.strategy.progression(self.sizes, self._check_shard(shard))
         return start, step, self.sizes[shard]
 
     def shard_ids(self, shard: int, device: torch.device | str | None = None) -> torch.Tensor:
         """The logical ids shard ``shard`` holds, in local row order."""
-        if not 0 <= shard < self.num_shards:
-            raise ShardvarIndexError(f"shard must be in [0, {self.num_shards}); got {shard}")
-        rows = torch.arange(self.sizes[shard], device=device)
-        return get_strategy(self.strategy).global_ids(self.sizes, torch.full_like(rows, shard), rows)
+        start, step, count = self.shard_progression(shard)
+        return start + step * torch.arange(count, device=device)
 
     # -- slices -------------------------------------------------------------------------------
     def decompose_slice(self, key: slice) -> SlicePlan:
@@ -214,15 +269,6 @@ class Layout:
 
 
 @functools.lru_cache(maxsize=1024)
-def _offsets(sizes: tuple[int, ...]) -> tuple[int, ...]:
-    out, acc = [], 0
-    for s in sizes:
-        out.append(acc)
-        acc += s
-    return tuple(out)
-
-
-@functools.lru_cache(maxsize=1024)
-def _plan(strategy: str, sizes: tuple[int, ...], start: int, stop: int, step: int) -> SlicePlan:
-    pieces = get_strategy(strategy).slice_pieces(sizes, start, stop, step)
+def _plan(strategy: Strategy, sizes: tuple[int, ...], start: int, stop: int, step: int) -> SlicePlan:
+    pieces = strategy.slice_pieces(sizes, start, stop, step)
     return SlicePlan(tuple(pieces), len(range(start, stop, step)))

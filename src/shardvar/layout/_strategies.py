@@ -1,21 +1,21 @@
-"""How each partition strategy maps logical rows to (shard, local row).
+"""Partition strategies: how logical rows map to (shard, local row), and how tensors split and join.
 
-The strategies live in one registry, :data:`STRATEGIES`; nothing else in shardvar dispatches
+Each strategy is a singleton registered in :data:`STRATEGIES`. A strategy *is* its name (a
+``str`` subclass, so ``layout.strategy == "div"`` holds and a Layout's repr stays
+``Layout(strategy='div', ...)``) and carries its behaviour; nothing else in shardvar dispatches
 on a strategy's name. Every function here is pure and vectorised over ids.
 """
 
 from __future__ import annotations
 
 import functools
-import operator
-from collections.abc import Sequence
 
 import torch
 
 from .._errors import ShardvarValueError
 from ._slices import SlicePiece, div_slice_pieces, mod_slice_pieces
 
-__all__ = ["Strategy", "DivStrategy", "ModStrategy", "STRATEGIES", "balanced_sizes", "mod_sizes"]
+__all__ = ["Strategy", "DivStrategy", "ModStrategy", "STRATEGIES", "get_strategy", "balanced_sizes", "mod_sizes"]
 
 
 def balanced_sizes(num_rows: int, num_shards: int) -> tuple[int, ...]:
@@ -35,11 +35,34 @@ def _ends_and_starts(sizes: tuple[int, ...], device: torch.device) -> tuple[torc
     return ends, ends - torch.tensor(sizes, dtype=torch.int64, device=device)
 
 
-class Strategy:
-    """One way of assigning logical rows to shards. Subclasses are stateless singletons."""
+@functools.lru_cache(maxsize=1024)
+def starts_of(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """First storage row of each shard when the shards are laid back to back in shard order."""
+    out, acc = [], 0
+    for s in sizes:
+        out.append(acc)
+        acc += s
+    return tuple(out)
+
+
+def _along(axis: int, entry: slice) -> tuple:
+    return (slice(None),) * axis + (entry,)
+
+
+class Strategy(str):
+    """One way of assigning logical rows to shards: a name that knows how to map, split and join."""
 
     name: str = ""
     contiguous: bool = False  # whether each shard holds one contiguous range of logical rows
+
+    def __new__(cls, *_: object) -> Strategy:
+        return super().__new__(cls, cls.name)
+
+    def __reduce__(self) -> tuple:
+        return get_strategy, (self.name,)  # unpickles to the registered singleton
+
+    def __repr__(self) -> str:
+        return repr(self.name)
 
     def sizes(self, num_rows: int, num_shards: int) -> tuple[int, ...]:
         """The canonical shard sizes of ``num_rows`` rows over ``num_shards`` shards."""
@@ -71,8 +94,22 @@ class Strategy:
         _, starts = _ends_and_starts(sizes, ids.device)
         return starts[shard] + row
 
-    def __repr__(self) -> str:
-        return f"<strategy {self.name!r}>"
+    def split(self, tensor: torch.Tensor, sizes: tuple[int, ...], axis: int) -> list[torch.Tensor]:
+        """Each shard's part of ``tensor`` along ``axis``, as views (no copy)."""
+        parts = []
+        for s in range(len(sizes)):
+            start, step = self.progression(sizes, s)
+            stop = start + step * (sizes[s] - 1) + 1 if sizes[s] else start
+            parts.append(tensor[_along(axis, slice(start, stop, step))])
+        return parts
+
+    def join(self, parts: list[torch.Tensor], sizes: tuple[int, ...], axis: int) -> torch.Tensor:
+        """The logical tensor from its shards' parts (a new tensor; differentiable)."""
+        whole = torch.cat(parts, dim=axis) if len(parts) > 1 else parts[0]
+        if self.contiguous or len(parts) == 1:
+            return whole
+        order = self.storage_rows(sizes, torch.arange(sum(sizes), device=whole.device))
+        return whole.index_select(axis, order)
 
 
 class DivStrategy(Strategy):
@@ -93,16 +130,14 @@ class DivStrategy(Strategy):
         if sizes == balanced_sizes(num_rows, n):
             # Arithmetic instead of a search: the common case, and the hot path of every lookup.
             q, r = divmod(num_rows, n)
-            big = q + 1
-            cut = r * big
             if r == 0:
                 return ids.div(q, rounding_mode="floor"), ids.remainder(q)
+            big, cut = q + 1, r * (q + 1)
             tail = (ids - cut).clamp_min(0)
             qq = max(q, 1)
             in_head = ids < cut
             shard = torch.where(in_head, ids.div(big, rounding_mode="floor"), r + tail.div(qq, rounding_mode="floor"))
-            row = torch.where(in_head, ids.remainder(big), tail.remainder(qq))
-            return shard, row
+            return shard, torch.where(in_head, ids.remainder(big), tail.remainder(qq))
         ends, starts = _ends_and_starts(sizes, ids.device)
         shard = torch.searchsorted(ends, ids, right=True)
         return shard, ids - starts[shard]
@@ -115,10 +150,13 @@ class DivStrategy(Strategy):
         return div_slice_pieces(sizes, start, stop, step)
 
     def progression(self, sizes: tuple[int, ...], shard: int) -> tuple[int, int]:
-        return sum(sizes[:shard]), 1
+        return starts_of(sizes)[shard], 1
 
     def storage_rows(self, sizes: tuple[int, ...], ids: torch.Tensor) -> torch.Tensor:
         return ids  # contiguous shards in order are the logical rows themselves
+
+    def split(self, tensor: torch.Tensor, sizes: tuple[int, ...], axis: int) -> list[torch.Tensor]:
+        return [tensor.narrow(axis, start, size) for start, size in zip(starts_of(sizes), sizes, strict=True)]
 
 
 class ModStrategy(Strategy):
@@ -168,26 +206,10 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (DivStrategy(), ModStrateg
 
 
 def get_strategy(name: object) -> Strategy:
-    """Look a strategy up by name, with an error that lists the known ones."""
+    """The registered strategy called ``name``, with an error that lists the known ones."""
     if isinstance(name, Strategy):
         return name
     try:
         return STRATEGIES[name]  # type: ignore[index]
     except (KeyError, TypeError):
         raise ShardvarValueError(f"unknown partition strategy {name!r}; expected one of {sorted(STRATEGIES)}") from None
-
-
-def check_int_sequence(values: Sequence[object], what: str, minimum: int) -> tuple[int, ...]:
-    """Turn ``values`` into a tuple of ints >= minimum, or raise naming the bad entry."""
-    out = []
-    for i, v in enumerate(values):
-        if isinstance(v, bool):
-            raise ShardvarValueError(f"{what} must be integers; got {v!r} at position {i}")
-        try:
-            v = operator.index(v)  # accepts int, numpy ints and 0-d integer tensors
-        except TypeError:
-            raise ShardvarValueError(f"{what} must be integers; got {v!r} at position {i}") from None
-        if v < minimum:
-            raise ShardvarValueError(f"{what} must be >= {minimum}; got {v} at position {i}")
-        out.append(int(v))
-    return tuple(out)

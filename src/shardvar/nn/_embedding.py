@@ -1,4 +1,9 @@
-"""ShardedEmbedding and ShardedEmbeddingBag: drop-ins for nn.Embedding and nn.EmbeddingBag."""
+"""ShardedEmbedding and ShardedEmbeddingBag: drop-ins for nn.Embedding and nn.EmbeddingBag.
+
+Both keep their table in a :class:`ShardStore` and look it up with ``F.embedding`` /
+``F.embedding_bag`` semantics through ``variables.functional``; the distributed modules are these
+same classes over a store whose other shards live on other ranks.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +13,28 @@ import torch
 from torch import nn
 
 from .._errors import ShardvarValueError
-from ..layout import as_ids
-from ..variables import ShardedVariable, embedding_bag, gather_rows, shard_tensor, to_layout
-from ..variables._update import split_by_shard
+from .._validate import check_bool, check_choice, check_int, check_number
+from ..layout import Layout
+from ..variables import ShardedVariable, ShardStore, functional, to_layout
 
 __all__ = ["ShardedEmbedding", "ShardedEmbeddingBag"]
 
 
+def _initial_weight(
+    shape: tuple[int, int], weight: torch.Tensor | None, device: Any, dtype: torch.dtype | None
+) -> torch.Tensor:
+    if weight is None:
+        out = torch.empty(shape, device=device, dtype=dtype)
+        nn.init.normal_(out)  # drawn once for the whole table: values never depend on the layout
+        return out
+    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != shape:
+        got = list(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ShardvarValueError(f"_weight has shape {got}; expected {list(shape)}")
+    return weight.detach().to(device=device or weight.device, dtype=dtype or weight.dtype)
+
+
 class _ShardedTable(nn.Module):
-    """The shards of one ``[num_embeddings, embedding_dim]`` table, as nn.Parameters ``shards.0``, ..."""
+    """The shards of one ``[num_embeddings, embedding_dim]`` table, as nn.Parameters ``shards.<i>``."""
 
     def __init__(
         self,
@@ -34,54 +52,63 @@ class _ShardedTable(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         devices: list[torch.device | str] | None = None,
+        *,
+        _store: ShardStore | None = None,
     ) -> None:
         super().__init__()
-        shape = (num_embeddings, embedding_dim)
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.layout = to_layout(partitioner, shape, dtype or torch.float32, partition_strategy)
+        self.num_embeddings = check_int(num_embeddings, "num_embeddings", minimum=0)
+        self.embedding_dim = check_int(embedding_dim, "embedding_dim", minimum=0)
+        shape = (self.num_embeddings, self.embedding_dim)
+        self.layout: Layout = _store.layout if _store is not None else to_layout(
+            partitioner, shape, dtype or torch.float32, partition_strategy
+        )
         if self.layout.axis != 0:
             raise ShardvarValueError(f"an embedding table is split by rows (axis 0); got {self.layout}")
-        if padding_idx is not None:
-            if not -num_embeddings <= padding_idx < num_embeddings:
-                raise ShardvarValueError(
-                    f"padding_idx must be within [-{num_embeddings}, {num_embeddings}); got {padding_idx}"
-                )
-            padding_idx %= num_embeddings
-        self.padding_idx, self.max_norm, self.norm_type = padding_idx, max_norm, norm_type
-        self.scale_grad_by_freq, self.sparse = scale_grad_by_freq, sparse
-        if _weight is None:
-            weight = torch.empty(shape, device=device, dtype=dtype)
-            nn.init.normal_(weight)  # drawn once for the whole table: values never depend on the layout
-            if padding_idx is not None:
-                weight[padding_idx].zero_()
-        else:
-            if tuple(_weight.shape) != shape:
-                raise ShardvarValueError(f"_weight has shape {list(_weight.shape)}; expected {list(shape)}")
-            weight = _weight.detach().to(device=device or _weight.device, dtype=dtype or _weight.dtype)
-        variable = shard_tensor(weight, self.layout, devices=devices, requires_grad=not _freeze)
-        self.shards = nn.ParameterList(variable.variables)
+        self.padding_idx = functional.check_padding_idx(padding_idx, self.num_embeddings)
+        self.max_norm = check_number(max_norm, "max_norm", positive=True, allow_none=True)
+        self.norm_type = check_number(norm_type, "norm_type")
+        self.scale_grad_by_freq = check_bool(scale_grad_by_freq, "scale_grad_by_freq")
+        self.sparse = check_bool(sparse, "sparse")
+        if _store is None:
+            weight = _initial_weight(shape, _weight, device, dtype)
+            if self.padding_idx is not None and _weight is None:
+                weight[self.padding_idx].zero_()
+            _store = ShardStore.allocate(
+                self.layout, shape, weight.dtype, devices=devices, values=weight, requires_grad=True
+            )
+        for p in _store.local_shards().values():
+            p.requires_grad_(not check_bool(_freeze, "freeze"))
+        self._store = _store
+        self.shards = self._register_shards(_store.local_shards())
+
+    def _register_shards(self, shards: dict[int, torch.Tensor]) -> nn.Module:
+        return nn.ParameterList(shards.values())
+
+    def _shard_params(self) -> dict[int, torch.Tensor]:
+        return dict(enumerate(self.shards))
+
+    @property
+    def store(self) -> ShardStore:
+        """The store over this module's shard parameters (rebuilt if they were replaced or moved)."""
+        params = self._shard_params()
+        current = self._store.local_shards()
+        if params.keys() != current.keys() or any(params[s] is not t for s, t in current.items()):
+            exchange = self._store.exchange
+            self._store = ShardStore(self.layout, self._store.shape, params)
+            self._store.exchange = exchange
+        return self._store.refresh()
 
     @property
     def weight(self) -> ShardedVariable:
         """The table as one ShardedVariable over this module's shard parameters."""
-        return ShardedVariable(list(self.shards), strategy=self.layout.strategy, name="weight")
+        return ShardedVariable.from_store(self.store, name="weight")
 
     def sharded_variables(self) -> dict[str, ShardedVariable]:
         """The module's sharded parameters by local name (checkpoints store each as one variable)."""
         return {"weight": self.weight}
 
-    def _renorm(self, ids: torch.Tensor) -> None:
-        # nn.Embedding's max_norm rewrites the looked-up rows in place; so do we, shard by shard.
-        with torch.no_grad():
-            for s, _, rows in split_by_shard(self.layout, torch.unique(ids.reshape(-1))):
-                shard = self.shards[s]
-                torch.embedding_renorm_(shard, rows.to(shard.device), self.max_norm, self.norm_type)
-
-    def _ids(self, input: torch.Tensor) -> torch.Tensor:
-        return as_ids(input, device=None if isinstance(input, torch.Tensor) else self.shards[0].device)
-
     def reset_parameters(self) -> None:
-        weight = torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.shards[0].dtype)
+        weight = torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.store.dtype)
         nn.init.normal_(weight)
         if self.padding_idx is not None:
             weight[self.padding_idx].zero_()
@@ -100,9 +127,13 @@ class _ShardedTable(nn.Module):
 
     @classmethod
     def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True, **kwargs: Any):
-        """Build from an existing ``[num_embeddings, embedding_dim]`` weight (copied into shards)."""
-        if embeddings.dim() != 2:
-            raise ShardvarValueError(f"embeddings must be 2-D; got shape {list(embeddings.shape)}")
+        """Build from an existing ``[num_embeddings, embedding_dim]`` weight (copied into shards).
+
+        With ``freeze=True`` (the default, as nn.Embedding's) the shards do not require grad.
+        """
+        if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2:
+            got = list(embeddings.shape) if isinstance(embeddings, torch.Tensor) else type(embeddings).__name__
+            raise ShardvarValueError(f"embeddings must be a 2-D tensor; got {got}")
         return cls(*embeddings.shape, _weight=embeddings, _freeze=freeze, **kwargs)
 
 
@@ -118,16 +149,14 @@ class ShardedEmbedding(_ShardedTable):
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        ids = self._ids(input)
-        if self.max_norm is not None:
-            self._renorm(ids)
-        return gather_rows(
-            list(self.shards),
-            self.layout,
-            ids,
+        return functional.embedding(
+            self.store,
+            input,
             padding_idx=self.padding_idx,
-            sparse=self.sparse,
+            max_norm=self.max_norm,
+            norm_type=self.norm_type,
             scale_grad_by_freq=self.scale_grad_by_freq,
+            sparse=self.sparse,
         )
 
 
@@ -150,8 +179,7 @@ class ShardedEmbeddingBag(_ShardedTable):
         padding_idx: int | None = None,
         **kwargs: Any,
     ) -> None:
-        if mode not in ("sum", "mean", "max"):
-            raise ShardvarValueError(f"mode must be 'sum', 'mean' or 'max'; got {mode!r}")
+        self_mode = check_choice(mode, "mode", functional.BAG_MODES)
         super().__init__(
             num_embeddings,
             embedding_dim,
@@ -165,24 +193,23 @@ class ShardedEmbeddingBag(_ShardedTable):
             _weight=_weight,
             **kwargs,
         )
-        self.mode, self.include_last_offset = mode, include_last_offset
+        self.mode, self.include_last_offset = self_mode, check_bool(include_last_offset, "include_last_offset")
 
     def forward(
         self, input: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: torch.Tensor | None = None
     ) -> torch.Tensor:
-        ids = self._ids(input)
-        if self.max_norm is not None:
-            self._renorm(ids)
-        return embedding_bag(
-            self.weight,
-            ids,
+        return functional.embedding_bag(
+            self.store,
+            input,
             offsets,
             mode=self.mode,
             per_sample_weights=per_sample_weights,
             padding_idx=self.padding_idx,
             include_last_offset=self.include_last_offset,
-            sparse=self.sparse,
+            max_norm=self.max_norm,
+            norm_type=self.norm_type,
             scale_grad_by_freq=self.scale_grad_by_freq,
+            sparse=self.sparse,
         )
 
     def extra_repr(self) -> str:

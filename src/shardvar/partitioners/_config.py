@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import operator
 import re
 from collections.abc import Sequence
 
 import torch
 
 from .._errors import ShardvarTypeError, ShardvarValueError
+from .._validate import check_int_sequence
 from ..layout import Layout
 from ._partitioners import AxisPartitioner, Partitioner, check_shape
 
@@ -33,19 +33,9 @@ def _parse(partition_str: object) -> tuple[int, ...]:
 def _check_list(partition_list: object, source: str) -> tuple[int, ...]:
     if isinstance(partition_list, (str, bytes)) or not isinstance(partition_list, (Sequence, torch.Size)):
         raise ShardvarTypeError(f"partition_list must be a list of ints such as [1, 4, 1]; got {partition_list!r}")
-    values = []
-    for v in partition_list:
-        if isinstance(v, bool):
-            raise ShardvarValueError(f"{source} entries must be integers; got {v!r} in {partition_list!r}")
-        try:
-            values.append(operator.index(v))
-        except TypeError:
-            raise ShardvarValueError(f"{source} entries must be integers; got {v!r} in {partition_list!r}") from None
-    if not values:
+    if not len(partition_list):
         raise ShardvarValueError(f"{source} must not be empty; got {partition_list!r}")
-    bad = [v for v in values if v < 1]
-    if bad:
-        raise ShardvarValueError(f"{source} entries must be >= 1; got {bad[0]} in {list(values)}")
+    values = check_int_sequence(partition_list, f"{source} entries", 1)
     if sum(v > 1 for v in values) > 1:
         raise ShardvarValueError(f"{source} may have at most one entry > 1 (one partitioned axis); got {list(values)}")
     return tuple(values)

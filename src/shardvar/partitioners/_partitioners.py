@@ -10,14 +10,13 @@ shard instead of zero shards or a ZeroDivisionError.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .._errors import ShardvarTypeError, ShardvarValueError
-from ..layout import Layout, normalise_axis
+from .._validate import check_int, check_shape, normalise_axis
+from ..layout import Layout
 from ._dtypes import element_size
 
 __all__ = [
@@ -36,37 +35,7 @@ ShapeLike = Sequence[int] | torch.Size
 def _positive_int(value: object, name: str, allow_none: bool = False) -> int | None:
     if value is None and allow_none:
         return None
-    if isinstance(value, bool):
-        raise ShardvarTypeError(f"argument `{name}` must be an int; got {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise ShardvarTypeError(f"argument `{name}` must be an int; got {value!r}") from None
-    if value < 1:
-        raise ShardvarValueError(f"argument `{name}` must be positive; got {value}")
-    return value
-
-
-def check_shape(shape: object) -> tuple[int, ...]:
-    """A fully defined shape (tuple, list or torch.Size of ints >= 0, rank >= 1) as a tuple."""
-    if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
-        raise ShardvarTypeError(f"shape must be a tuple, list or torch.Size of ints; got {shape!r}")
-    dims = []
-    for i, d in enumerate(shape):
-        if d is None or isinstance(d, bool):
-            raise ShardvarValueError(f"shape must be fully defined; got {list(shape)!r} (dimension {i} is {d!r})")
-        try:
-            d = operator.index(d)
-        except TypeError:
-            raise ShardvarValueError(
-                f"shape dimensions must be ints; got {d!r} at dimension {i} of {shape!r}"
-            ) from None
-        if d < 0:
-            raise ShardvarValueError(f"shape dimensions must be >= 0; got {d} at dimension {i} of {list(shape)}")
-        dims.append(d)
-    if not dims:
-        raise ShardvarValueError("cannot partition a 0-d (scalar) variable; shape is []")
-    return tuple(dims)
+    return check_int(value, f"argument `{name}`", minimum=1, expected="positive")
 
 
 def _one_axis(shape: tuple[int, ...], axis: int, shards: int) -> list[int]:
@@ -181,9 +150,7 @@ class AxisPartitioner:
 
 
 def _check_axis_arg(axis: object) -> int:
-    if isinstance(axis, bool) or not isinstance(axis, int):
-        raise ShardvarTypeError(f"argument `axis` must be an int; got {axis!r}")
-    return axis
+    return check_int(axis, "argument `axis`")
 
 
 def fixed_size_partitioner(num_shards: int, axis: int = 0) -> AxisPartitioner:

@@ -1,19 +1,25 @@
-"""ShardedVariable, sharded lookups and scatter updates."""
+"""ShardedVariable, the shard store behind every sharded thing, sharded lookups and scatter updates.
 
+``functional`` holds the lookups over a :class:`ShardStore` (``embedding``, ``embedding_bag``,
+``gather``) that the modules and the distributed layer build on.
+"""
+
+from . import _functional as functional
 from ._create import create_partitioned_variables, shard_tensor, to_layout
-from ._gather import gather_rows
 from ._init import RowInitializer
 from ._lookup import embedding_bag, embedding_lookup, embedding_lookup_sparse, safe_embedding_lookup_sparse
 from ._sharded_variable import ShardedVariable
+from ._store import ShardStore
 
 __all__ = [
     "RowInitializer",
+    "ShardStore",
     "ShardedVariable",
     "create_partitioned_variables",
     "embedding_bag",
     "embedding_lookup",
     "embedding_lookup_sparse",
-    "gather_rows",
+    "functional",
     "safe_embedding_lookup_sparse",
     "shard_tensor",
     "to_layout",

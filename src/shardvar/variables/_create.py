@@ -8,9 +8,10 @@ from typing import Any
 import torch
 
 from .._errors import ShardvarTypeError, ShardvarValueError
-from ..layout import Layout, get_strategy
+from ..layout import Layout
 from ..partitioners import PartitionerConfig, check_shape
 from ._sharded_variable import ShardedVariable
+from ._store import ShardStore
 
 __all__ = ["shard_tensor", "create_partitioned_variables", "to_layout"]
 
@@ -54,33 +55,21 @@ def shard_tensor(
 
     Shards on the same device are consecutive pieces of one allocation, which lets lookups and
     scatter updates run as a single kernel over the whole table.
+
+    >>> shard_tensor(torch.arange(10.), Layout.mod(10, 3)).variables[1]
+    tensor([1., 4., 7.])
     """
+    if not isinstance(tensor, torch.Tensor):
+        raise ShardvarTypeError(f"shard_tensor needs a tensor; got {type(tensor).__name__}")
+    if not isinstance(layout, Layout):
+        raise ShardvarTypeError(
+            f"shard_tensor needs a Layout (e.g. Layout.div(rows, n)); got {layout!r:.60}"
+        )
     layout.check_shape(tensor.shape)
-    n = layout.num_shards
-    devices = [torch.device(d) for d in devices] if devices is not None else [tensor.device] * n
-    if len(devices) != n:
-        raise ShardvarValueError(f"got {len(devices)} devices for {n} shards; give one device per shard")
-    contiguous = get_strategy(layout.strategy).contiguous
-    parts = [
-        tensor.narrow(layout.axis, layout.offsets[s], layout.sizes[s])
-        if contiguous
-        else tensor.index_select(layout.axis, layout.shard_ids(s, tensor.device))
-        for s in range(n)
-    ]
-    shards: list[torch.Tensor] = [None] * n  # type: ignore[list-item]
-    if layout.axis == 0:
-        for device in dict.fromkeys(devices):
-            members = [s for s in range(n) if devices[s] == device]
-            slab = torch.cat([parts[s].to(device) for s in members]) if members else None
-            start = 0
-            for s in members:
-                shards[s] = slab.narrow(0, start, layout.sizes[s])
-                start += layout.sizes[s]
-    else:
-        shards = [parts[s].to(devices[s]).contiguous().clone() for s in range(n)]
-    if requires_grad:
-        shards = [torch.nn.Parameter(s) for s in shards]
-    return ShardedVariable(shards, strategy=layout.strategy, axis=layout.axis, name=name)
+    store = ShardStore.allocate(
+        layout, tensor.shape, tensor.dtype, devices=devices, values=tensor.detach(), requires_grad=requires_grad
+    )
+    return ShardedVariable.from_store(store, name=name)
 
 
 def initial_value(initializer: Initializer, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -13,7 +13,11 @@ import numpy as np
 import torch
 
 from .._errors import ShardvarIndexError, ShardvarTypeError, ShardvarValueError
-from ._gather import gather_rows
+from ..layout import Layout, last_occurrence
+from ._functional import gather
+from ._store import ShardStore
+from ._update import check_writable
+from ._values import check_local, coerce, device_of, materialise
 
 __all__ = ["getitem", "setitem", "expand_key"]
 
@@ -104,8 +108,11 @@ def _normalise_ids(ids: torch.Tensor, size: int, axis: int) -> torch.Tensor:
     return torch.where(ids < 0, ids + size, ids)
 
 
-def _read_slice(v, key: slice) -> torch.Tensor:
-    layout, shards, axis = v.layout, v.variables, v.layout.axis
+def _read_slice(store: ShardStore, key: slice) -> torch.Tensor:
+    layout, axis = store.layout, store.layout.axis
+    if not store.is_complete:  # a distributed variable: the slice's ids, fetched from their owners
+        return gather(store, torch.arange(layout.num_rows)[key].to(device_of(store))).movedim(0, axis)
+    shards = list(store.local_shards().values())
     plan = layout.decompose_slice(key)
     parts = []
     for p in plan.pieces:
@@ -120,7 +127,7 @@ def _read_slice(v, key: slice) -> torch.Tensor:
             )
     if not parts:
         return shards[0].narrow(axis, 0, 0)
-    parts = [t.to(v.device) for t in parts]
+    parts = [t.to(device_of(store)) for t in parts]
     out = torch.cat(parts, dim=axis) if len(parts) > 1 else parts[0]
     if not plan.in_order:
         out = out.index_select(axis, torch.argsort(plan.positions(out.device)))
@@ -131,22 +138,26 @@ def _at(axis: int, entry: Any) -> tuple:
     return (slice(None),) * axis + (entry,)
 
 
-def getitem(v, key: Any) -> torch.Tensor:
+def getitem(store: ShardStore, key: Any) -> torch.Tensor:
     """``v[key]``: numpy semantics; reads only the shards that ``key`` touches."""
-    layout, axis, size = v.layout, v.layout.axis, v.shape[v.layout.axis]
-    entries, starts = expand_key(key, v.ndim)
+    layout, axis, size = store.layout, store.layout.axis, store.shape[store.layout.axis]
+    entries, starts = expand_key(key, len(store.shape))
     i = _axis_entry(entries, starts, axis)
     e = entries[i]
     if isinstance(e, torch.Tensor) and e.dtype == torch.bool and e.dim() > 1:
-        whole = v.to_tensor()  # a mask over several dims, the sharded one among them, reads every row anyway
+        whole = materialise(store)  # a mask over several dims, the sharded one among them, reads every row anyway
         whole = _flip_negative_steps(whole, entries, starts, -1)
         return whole[_numpy_style(entries, whole.device)]
     if isinstance(e, int):
-        shard, row = layout.locate(torch.tensor([_normalise_int(e, size, axis)]))
-        compact = v.variables[int(shard)].narrow(axis, int(row), 1).to(v.device)
+        index = _normalise_int(e, size, axis)
+        shard, row = layout.locate(torch.tensor([index]))
+        if int(shard) in store.local_shards():
+            compact = store.local_shards()[int(shard)].narrow(axis, int(row), 1).to(device_of(store))
+        else:
+            compact = gather(store, torch.tensor([index], device=device_of(store))).movedim(0, axis)
         entries[i] = 0
     elif isinstance(e, slice):
-        compact = _read_slice(v, e)
+        compact = _read_slice(store, e)
         entries[i] = slice(None)
     else:
         if e.dtype == torch.bool:
@@ -157,7 +168,7 @@ def getitem(v, key: Any) -> torch.Tensor:
             ids = torch.nonzero(e).squeeze(1)
         else:
             ids = _normalise_ids(e, size, axis)
-        rows = gather_rows(v.variables, layout, ids.reshape(-1).to(v.device), check=False)
+        rows = gather(store, ids.reshape(-1).to(device_of(store)))
         compact = rows.movedim(0, axis) if axis else rows
         entries[i] = torch.arange(ids.numel(), device=compact.device).reshape(ids.shape)
     compact = _flip_negative_steps(compact, entries, starts, i)
@@ -172,10 +183,11 @@ def _numpy_style(entries: list[Any], device: torch.device) -> tuple:
     return tuple(entries)
 
 
-def setitem(v, key: Any, value: Any) -> None:
+def setitem(store: ShardStore, key: Any, value: Any) -> None:
     """``v[key] = value``: checks shape and dtype first, then writes only the touched shards."""
-    layout, axis, size = v.layout, v.layout.axis, v.shape[v.layout.axis]
-    entries, starts = expand_key(key, v.ndim)
+    shards = check_local(store, "assignment")
+    layout, axis, size, shape = store.layout, store.layout.axis, store.shape[store.layout.axis], store.shape
+    entries, starts = expand_key(key, len(shape))
     if any(e is None for e in entries):
         raise ShardvarTypeError("None (newaxis) is not supported in an assignment to a ShardedVariable")
     i = _axis_entry(entries, starts, axis)
@@ -199,41 +211,49 @@ def setitem(v, key: Any, value: Any) -> None:
         e = _normalise_int(e, size, axis)
     # The result shape of v[key], without reading: index a broadcast scalar.
     probe_entries = [
-        _ascending(x, v.shape[d]) if isinstance(x, slice) else x for x, d in zip(entries, starts, strict=True)
+        _ascending(x, shape[d]) if isinstance(x, slice) else x for x, d in zip(entries, starts, strict=True)
     ]
     probe_entries[i] = _ascending(e, size) if isinstance(e, slice) else e
-    target = torch.empty((), dtype=torch.bool).expand(v.shape)[tuple(probe_entries)].shape
-    value = _check_value(value, v.dtype, target)
+    target = torch.empty((), dtype=torch.bool).expand(shape)[tuple(probe_entries)].shape
+    value = coerce(value, store.dtype, target, selection=True)
     out_dim = sum(1 for x in entries[:i] if isinstance(x, slice))  # where the sharded axis lands in the value
     for j, (x, d) in enumerate(zip(entries, starts, strict=True)):
         if j != i and isinstance(x, slice) and x.step is not None and x.step < 0:
-            entries[j] = _ascending(x, v.shape[d])
+            entries[j] = _ascending(x, shape[d])
             value = value.flip(sum(1 for y in entries[:j] if isinstance(y, (slice, torch.Tensor))))
-    shards = v.variables
+    writes = _planned_writes(layout, e, entries, i, value, out_dim)
+    check_writable([shards[s] for s, _, _ in writes])
     with torch.no_grad():
-        if isinstance(e, int):
-            shard, row = layout.locate(torch.tensor([e]))
-            entries[i] = int(row)
-            shards[int(shard)][tuple(entries)] = value.to(shards[int(shard)].device)
-        elif isinstance(e, slice):
-            plan = layout.decompose_slice(e)
-            for p in plan.pieces:
-                part = value[_at(out_dim, slice(p.out_start, p.out_start + (p.count - 1) * p.out_step + 1, p.out_step))]
-                if p.step > 0:
-                    entries[i] = slice(p.start, p.start + (p.count - 1) * p.step + 1, p.step)
-                else:
-                    low = p.start + (p.count - 1) * p.step
-                    entries[i] = slice(low, p.start + 1, -p.step)
-                    part = part.flip(out_dim)
-                shards[p.shard][tuple(entries)] = part.to(shards[p.shard].device)
-        else:
-            from ._update import last_occurrence, split_by_shard
+        for s, key, part in writes:
+            shards[s][key] = part.to(shards[s].device)
 
-            keep = last_occurrence(e)
-            e, value = e[keep], value.index_select(out_dim, keep.to(value.device))
-            for s, pos, rows in split_by_shard(layout, e):
-                entries[i] = rows.to(shards[s].device)
-                shards[s][tuple(entries)] = value.index_select(out_dim, pos.to(value.device)).to(shards[s].device)
+
+def _planned_writes(
+    layout: Layout, e: Any, entries: list[Any], i: int, value: torch.Tensor, out_dim: int
+) -> list[tuple[int, tuple, torch.Tensor]]:
+    """(shard, key within the shard, value part) of every write ``v[key] = value`` makes."""
+    writes = []
+    if isinstance(e, int):
+        shard, row = layout.locate(torch.tensor([e]))
+        entries[i] = int(row)
+        return [(int(shard), tuple(entries), value)]
+    if isinstance(e, slice):
+        for p in layout.decompose_slice(e).pieces:
+            part = value[_at(out_dim, slice(p.out_start, p.out_start + (p.count - 1) * p.out_step + 1, p.out_step))]
+            if p.step > 0:
+                entries[i] = slice(p.start, p.start + (p.count - 1) * p.step + 1, p.step)
+            else:
+                low = p.start + (p.count - 1) * p.step
+                entries[i] = slice(low, p.start + 1, -p.step)
+                part = part.flip(out_dim)
+            writes.append((p.shard, tuple(entries), part))
+        return writes
+    keep = last_occurrence(e)
+    e, value = e[keep], value.index_select(out_dim, keep.to(value.device))
+    for s, pos, rows in layout.split_ids(e):
+        entries[i] = rows
+        writes.append((s, tuple(entries), value.index_select(out_dim, pos.to(value.device))))
+    return writes
 
 
 def _ascending(key: slice, size: int) -> slice:
@@ -243,21 +263,3 @@ def _ascending(key: slice, size: int) -> slice:
         return slice(start, stop, step)
     n = len(range(start, stop, step))
     return slice(start + (n - 1) * step, start + 1, -step) if n else slice(0, 0)
-
-
-def _check_value(value: Any, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-    from ._sharded_variable import ShardedVariable
-
-    if isinstance(value, ShardedVariable):
-        value = value.to_tensor()
-    t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
-    if isinstance(value, torch.Tensor) and not torch.can_cast(t.dtype, dtype):
-        raise ShardvarTypeError(f"cannot assign a {t.dtype} value to a {dtype} variable without a lossy cast")
-    if not isinstance(value, torch.Tensor) and not torch.can_cast(t.dtype, dtype) and dtype != torch.bool:
-        raise ShardvarTypeError(f"cannot assign {value!r:.60} to a {dtype} variable")
-    try:
-        return t.to(dtype).broadcast_to(shape)
-    except RuntimeError:
-        raise ShardvarValueError(
-            f"value of shape {list(t.shape)} cannot be assigned to a selection of shape {list(shape)}"
-        ) from None

@@ -1,19 +1,25 @@
-"""Sharded lookups: embedding_lookup, embedding_lookup_sparse, safe_embedding_lookup_sparse, embedding_bag.
+"""The reference's lookups: embedding_lookup, embedding_lookup_sparse, safe_embedding_lookup_sparse, embedding_bag.
 
-Names and arguments follow TensorFlow's; every lookup gathers once per touched shard
-(``_gather.gather_rows``) and combines bags with vectorised segment sums.
+Names and arguments follow TensorFlow's. Each is a thin layer over ``_functional``'s
+``F.embedding`` / ``F.embedding_bag`` on the variable's store: TensorFlow's combiners become
+``F.embedding_bag`` modes with per-sample weights, so bags are pooled by torch's own kernel.
+``max_norm`` keeps the reference's meaning: looked-up rows are clipped, the table is not written.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+import torch.nn.functional as F
+
 from .._errors import ShardvarTypeError, ShardvarValueError
-from ..layout import as_ids, balanced_sizes
-from ._gather import gather_rows
+from .._validate import check_choice, check_number
+from ..layout import as_ids
+from . import _functional
 from ._sharded_variable import ShardedVariable
 
 __all__ = ["embedding_lookup", "embedding_lookup_sparse", "safe_embedding_lookup_sparse", "embedding_bag"]
@@ -40,11 +46,11 @@ def as_sharded(params: Any, partition_strategy: str | None, default: str = "mod"
             f"params must be a ShardedVariable, a tensor or a list of tensors; got {type(params).__name__}"
         )
     variable = ShardedVariable(list(params), strategy=strategy)
-    sizes = variable.layout.sizes
-    if variable.layout.strategy == "div" and sizes != balanced_sizes(sum(sizes), len(sizes)):
+    layout = variable.layout
+    if layout.contiguous and not layout.is_balanced:
         raise ShardvarValueError(
-            f"with partition_strategy='div' a list of shards must have the reference's sizes "
-            f"{list(balanced_sizes(sum(sizes), len(sizes)))}; got {list(sizes)}. "
+            f"with partition_strategy={strategy!r} a list of shards must have the reference's sizes "
+            f"{list(layout.strategy.sizes(layout.num_rows, layout.num_shards))}; got {list(layout.sizes)}. "
             "For other contiguous sizes pass ShardedVariable(shards)"
         )
     return variable
@@ -65,7 +71,9 @@ def embedding_lookup(
     """Rows ``ids`` (any shape) of the sharded table: shape ``ids.shape + row_shape``.
 
     ``params`` is a ShardedVariable (its own layout) or a list of tensors read with
-    ``partition_strategy`` ("mod" by default, as in the reference).
+    ``partition_strategy`` ("mod" by default, as in the reference). A list's tensors are moved
+    into one allocation the first time when nothing else shares their memory, so later lookups
+    over the same list run as one kernel.
 
     >>> shards = [torch.tensor([[0.], [2.]]), torch.tensor([[1.], [3.]])]
     >>> embedding_lookup(shards, torch.tensor([3, 0]), partition_strategy="mod")
@@ -73,44 +81,84 @@ def embedding_lookup(
             [0.]])
     """
     variable = as_sharded(params, partition_strategy)
-    ids = as_ids(ids, device=None if isinstance(ids, torch.Tensor) else variable.device)
-    return _clip(gather_rows(variable.variables, variable.layout, ids), ids.dim(), max_norm)
+    max_norm = check_number(max_norm, "max_norm", positive=True, allow_none=True)
+    rows = _functional.gather(variable.store, ids)
+    return _clip(rows, rows.dim() - len(variable.store.row_shape), max_norm)
 
 
-def _sparse_parts(sp: Any, what: str) -> tuple[torch.Tensor, torch.Tensor, int]:
-    if not isinstance(sp, torch.Tensor) or sp.layout != torch.sparse_coo or sp.dim() != 2:
-        raise ShardvarTypeError(f"{what} must be a 2-D torch sparse COO tensor [batch, k]; got {sp!r:.100}")
+def _sparse_parts(sp: Any, what: str, flatten: bool = False) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """(bag of each entry, the entries, the batch shape) of a sparse ``[batch..., k]`` tensor."""
+    is_coo = isinstance(sp, torch.Tensor) and sp.layout == torch.sparse_coo
+    if not is_coo or not (sp.dim() >= 2 if flatten else sp.dim() == 2):
+        shape = "[batch..., k]" if flatten else "[batch, k]"
+        raise ShardvarTypeError(f"{what} must be a torch sparse COO tensor {shape}; got {sp!r:.100}")
     # Not coalesced on purpose: coalescing would add up repeated entries of a bag.
     indices = sp.indices() if sp.is_coalesced() else sp._indices()
     values = sp.values() if sp.is_coalesced() else sp._values()
-    return indices, values, sp.shape[0]
+    batch = tuple(sp.shape[:-1])
+    bag = torch.zeros_like(indices[0])
+    for d, size in enumerate(batch):  # leading dimensions flatten row-major, as in the reference
+        bag = bag * size + indices[d]
+    return bag, values, batch
+
+
+def _same_indices(sp_ids: torch.Tensor, sp_weights: Any) -> torch.Tensor | None:
+    if sp_weights is None:
+        return None
+    w_bag, weights, w_batch = _sparse_parts(sp_weights, "sp_weights", flatten=True)
+    ids_idx = sp_ids.indices() if sp_ids.is_coalesced() else sp_ids._indices()
+    w_idx = sp_weights.indices() if sp_weights.is_coalesced() else sp_weights._indices()
+    if w_idx.shape != ids_idx.shape or not torch.equal(w_idx, ids_idx.to(w_idx.device)):
+        raise ShardvarValueError("sp_weights must have the same indices as sp_ids")
+    return weights
+
+
+def _bag_weights(
+    bag: torch.Tensor, weights: torch.Tensor | None, batch: int, combiner: str, dtype: torch.dtype
+) -> tuple[str, torch.Tensor | None]:
+    """TensorFlow's combiner as an ``F.embedding_bag`` mode and per-sample weights."""
+    if weights is None and combiner in ("sum", "mean"):
+        return combiner, None
+    w = torch.ones(bag.numel(), dtype=dtype, device=bag.device) if weights is None else weights.to(bag.device, dtype)
+    if combiner == "sum":
+        return "sum", w
+    denom = w if combiner == "mean" else w * w
+    total = torch.zeros(batch, dtype=dtype, device=bag.device).index_add(0, bag, denom)
+    if combiner == "sqrtn":
+        total = total.sqrt()
+    # Empty or zero-weight bags give zeros, as the reference's div_no_nan does.
+    scale = torch.where(total != 0, 1 / torch.where(total != 0, total, torch.ones_like(total)), torch.zeros_like(total))
+    return "sum", w * scale.index_select(0, bag)
 
 
 def _combine(
-    rows: torch.Tensor, segments: torch.Tensor, weights: torch.Tensor | None, batch: int, combiner: str
+    variable: ShardedVariable,
+    ids: torch.Tensor,
+    bag: torch.Tensor,
+    weights: torch.Tensor | None,
+    batch: int,
+    combiner: str,
+    max_norm: float | None,
 ) -> torch.Tensor:
-    if combiner not in COMBINERS:
-        raise ShardvarValueError(f"combiner must be one of {list(COMBINERS)}; got {combiner!r}")
-    shape = (batch, *rows.shape[1:])
-    segments = segments.to(rows.device)
-    if weights is None:
-        w = torch.ones(rows.shape[0], dtype=rows.dtype, device=rows.device)
-        weighted = rows
-    else:
-        w = weights.to(rows.device, rows.dtype)
-        weighted = rows * w.reshape(-1, *[1] * (rows.dim() - 1))
-    total = torch.zeros(shape, dtype=rows.dtype, device=rows.device).index_add(0, segments, weighted)
-    if combiner == "sum":
-        return total
-    denom = w if combiner == "mean" else w * w
-    denom = torch.zeros(batch, dtype=rows.dtype, device=rows.device).index_add(0, segments, denom)
-    if combiner == "sqrtn":
-        denom = denom.sqrt()
-    denom = denom.reshape(-1, *[1] * (rows.dim() - 1))
-    # Empty bags give zeros, as the reference's div_no_nan does.
-    return torch.where(
-        denom != 0, total / torch.where(denom != 0, denom, torch.ones_like(denom)), torch.zeros_like(total)
-    )
+    """Pool rows ``ids`` into ``batch`` bags (entry j into bag ``bag[j]``) with a TensorFlow combiner."""
+    store = variable.store
+    if bag.numel() > 1 and bool((bag[1:] < bag[:-1]).any()):
+        order = torch.argsort(bag, stable=True)  # F.embedding_bag wants each bag's entries together
+        bag, ids = bag.index_select(0, order), ids.index_select(0, order.to(ids.device))
+        weights = None if weights is None else weights.index_select(0, order.to(weights.device))
+    mode, per_sample = _bag_weights(bag, weights, batch, combiner, store.dtype)
+    offsets = torch.zeros(batch, dtype=torch.int64, device=bag.device)
+    if batch > 1:
+        offsets[1:] = torch.bincount(bag, minlength=batch)[:-1].cumsum(0)
+    if max_norm is None:
+        return _functional.embedding_bag(store, ids, offsets.to(ids.device), mode=mode, per_sample_weights=per_sample)
+    rows = _clip(_functional.gather(store, ids), 1, max_norm)
+    positions = torch.arange(ids.numel(), device=rows.device)
+    return F.embedding_bag(positions, rows, offsets.to(rows.device), mode=mode, per_sample_weights=per_sample)
+
+
+def _check_combiner(combiner: Any) -> str:
+    return check_choice(combiner, "combiner", COMBINERS)
 
 
 def embedding_lookup_sparse(
@@ -128,18 +176,13 @@ def embedding_lookup_sparse(
     tensor([[4.],
             [3.]])
     """
-    if combiner not in COMBINERS:
-        raise ShardvarValueError(f"combiner must be one of {list(COMBINERS)}; got {combiner!r}")
+    combiner = _check_combiner(combiner)
     variable = as_sharded(params, partition_strategy)
-    indices, ids, batch = _sparse_parts(sp_ids, "sp_ids")
-    weights = None
-    if sp_weights is not None:
-        w_indices, weights, _ = _sparse_parts(sp_weights, "sp_weights")
-        if w_indices.shape != indices.shape or not torch.equal(w_indices, indices.to(w_indices.device)):
-            raise ShardvarValueError("sp_weights must have the same indices as sp_ids")
+    max_norm = check_number(max_norm, "max_norm", positive=True, allow_none=True)
+    bag, ids, batch = _sparse_parts(sp_ids, "sp_ids")
+    weights = _same_indices(sp_ids, sp_weights)
     ids = as_ids(ids, device=variable.device)
-    rows = _clip(gather_rows(variable.variables, variable.layout, ids), 1, max_norm)
-    return _combine(rows, indices[0], weights, batch, combiner)
+    return _combine(variable, ids, bag, weights, batch[0], combiner, max_norm)
 
 
 def safe_embedding_lookup_sparse(
@@ -153,39 +196,28 @@ def safe_embedding_lookup_sparse(
 ) -> torch.Tensor:
     """Like :func:`embedding_lookup_sparse`, dropping ids < 0 and weights <= 0 first.
 
-    Bags left empty give zeros, or the row of ``default_id`` when given. The partition strategy
-    of a list of shards defaults to "div", as in the reference.
+    Bags left empty give zeros, or the row of ``default_id`` when given. ``sp_ids`` of rank > 2
+    are flattened to ``[batch, k]`` and the result has their leading shape, as in the reference.
+    The partition strategy of a list of shards defaults to "div", as in the reference.
     """
+    combiner = _check_combiner(combiner)
     variable = as_sharded(params, partition_strategy, default="div")
-    indices, ids, batch = _sparse_parts(sp_ids, "sp_ids")
+    max_norm = check_number(max_norm, "max_norm", positive=True, allow_none=True)
+    bag, ids, batch_shape = _sparse_parts(sp_ids, "sp_ids", flatten=True)
+    weights = _same_indices(sp_ids, sp_weights)
     ids = as_ids(ids, device=variable.device)
     keep = ids >= 0
-    weights = None
-    if sp_weights is not None:
-        w_indices, weights, _ = _sparse_parts(sp_weights, "sp_weights")
-        if w_indices.shape != indices.shape or not torch.equal(w_indices, indices.to(w_indices.device)):
-            raise ShardvarValueError("sp_weights must have the same indices as sp_ids")
+    if weights is not None:
         keep &= weights.to(keep.device) > 0
         weights = weights[keep.to(weights.device)]
-    segments = indices[0][keep.to(indices.device)]
-    out = embedding_lookup_sparse(
-        variable,
-        torch.sparse_coo_tensor(
-            torch.stack([segments, torch.zeros_like(segments)]), ids[keep], (batch, 1), check_invariants=False
-        ),
-        None
-        if weights is None
-        else torch.sparse_coo_tensor(
-            torch.stack([segments, torch.zeros_like(segments)]), weights, (batch, 1), check_invariants=False
-        ),
-        combiner=combiner,
-        max_norm=max_norm,
-    )
+    batch = math.prod(batch_shape)
+    bag = bag[keep.to(bag.device)]
+    out = _combine(variable, ids[keep], bag, weights, batch, combiner, max_norm)
     if default_id is not None:
-        empty = torch.bincount(segments.to(out.device), minlength=batch) == 0
+        empty = torch.bincount(bag.to(out.device), minlength=batch) == 0
         default_row = embedding_lookup(variable, torch.tensor([default_id], device=variable.device), max_norm=max_norm)
         out = torch.where(empty.reshape(-1, *[1] * (out.dim() - 1)), default_row.to(out.device), out)
-    return out
+    return out.reshape(*batch_shape, *out.shape[1:])
 
 
 def embedding_bag(
@@ -208,56 +240,33 @@ def embedding_bag(
     ``max_norm`` clips the looked-up rows (without writing to the table).
     """
     variable = as_sharded(params, partition_strategy)
-    if mode not in ("sum", "mean", "max"):
-        raise ShardvarValueError(f"mode must be 'sum', 'mean' or 'max'; got {mode!r}")
-    ids = as_ids(input, device=None if isinstance(input, torch.Tensor) else variable.device)
-    segments, batch = _bag_segments(ids, offsets, include_last_offset)
-    ids = ids.reshape(-1)
-    if per_sample_weights is not None:
-        if mode != "sum":
-            raise ShardvarValueError(f"per_sample_weights are only supported with mode='sum'; got mode={mode!r}")
-        if per_sample_weights.shape != input.shape:
-            raise ShardvarValueError(
-                f"per_sample_weights of shape {list(per_sample_weights.shape)} must match "
-                f"input of shape {list(input.shape)}"
-            )
-        per_sample_weights = per_sample_weights.reshape(-1)
+    max_norm = check_number(max_norm, "max_norm", positive=True, allow_none=True)
+    options = {
+        "mode": mode,
+        "per_sample_weights": per_sample_weights,
+        "padding_idx": padding_idx,
+        "include_last_offset": include_last_offset,
+        "scale_grad_by_freq": scale_grad_by_freq,
+        "sparse": sparse,
+    }
+    if max_norm is None:
+        return _functional.embedding_bag(variable.store, input, offsets, **options)
+    # Clip the rows first (the reference's max_norm), then pool the clipped rows.
+    rows = _clip(_functional.embedding(variable.store, input, sparse=sparse), input.dim(), max_norm)
+    flat = rows.reshape(-1, rows.shape[-1])
+    positions = torch.arange(flat.shape[0], device=flat.device).reshape(input.shape)
+    pad = None
     if padding_idx is not None:
-        keep = ids != padding_idx
-        ids, segments = ids[keep], segments[keep]
-        if per_sample_weights is not None:
-            per_sample_weights = per_sample_weights[keep]
-    rows = gather_rows(variable.variables, variable.layout, ids, sparse=sparse, scale_grad_by_freq=scale_grad_by_freq)
-    rows = _clip(rows, 1, max_norm)
-    if mode == "max":
-        out = torch.zeros((batch, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
-        index = segments.to(rows.device).reshape(-1, *[1] * (rows.dim() - 1)).expand_as(rows)
-        return out.scatter_reduce(0, index, rows, "amax", include_self=False)
-    return _combine(rows, segments, per_sample_weights, batch, "sum" if mode == "sum" else "mean")
-
-
-def _bag_segments(ids: torch.Tensor, offsets: Any, include_last_offset: bool) -> tuple[torch.Tensor, int]:
-    if ids.dim() == 2:
-        if offsets is not None:
-            raise ShardvarValueError("offsets must be None when input is 2-D (each row is one bag)")
-        return torch.arange(ids.shape[0], device=ids.device).repeat_interleave(ids.shape[1]), ids.shape[0]
-    if ids.dim() != 1 or offsets is None:
-        raise ShardvarValueError(
-            f"input must be 2-D, or 1-D with offsets; got shape {list(ids.shape)} and offsets={offsets}"
-        )
-    offsets = as_ids(offsets).to(ids.device)
-    if offsets.dim() != 1 or offsets.numel() == 0 or int(offsets[0]) != 0:
-        raise ShardvarValueError(f"offsets must be 1-D, non-empty and start at 0; got {offsets.tolist()[:8]}")
-    if bool((offsets[1:] < offsets[:-1]).any()) or int(offsets[-1]) > ids.numel():
-        raise ShardvarValueError(
-            f"offsets must be non-decreasing and at most len(input)={ids.numel()}; got {offsets.tolist()[:8]}"
-        )
-    if include_last_offset:
-        if int(offsets[-1]) != ids.numel():
-            raise ShardvarValueError(
-                f"with include_last_offset=True the last offset must equal len(input)={ids.numel()}; "
-                f"got {int(offsets[-1])}"
-            )
-        offsets = offsets[:-1]
-    positions = torch.arange(ids.numel(), device=ids.device)
-    return torch.searchsorted(offsets, positions, right=True) - 1, offsets.numel()
+        p = _functional.check_padding_idx(padding_idx, variable.shape[0])
+        flat = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
+        pad = flat.shape[0] - 1
+        positions = torch.where(input.to(positions.device) == p, pad, positions)
+    return F.embedding_bag(
+        positions,
+        flat,
+        offsets,
+        mode=mode,
+        per_sample_weights=per_sample_weights,
+        include_last_offset=include_last_offset,
+        padding_idx=pad,
+    )

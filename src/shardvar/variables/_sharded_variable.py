@@ -15,8 +15,10 @@ import numpy as np
 import torch
 
 from .._errors import ShardvarTypeError, ShardvarValueError
-from ..layout import Layout, get_strategy, normalise_axis
+from .._validate import normalise_axis
+from ..layout import Layout
 from . import _indexing, _update
+from ._store import ShardStore
 
 __all__ = ["ShardedVariable"]
 
@@ -47,6 +49,10 @@ def _check_shards(shards: object, axis: int) -> tuple[list[torch.Tensor], int]:
 class ShardedVariable:
     """A logical tensor stored as shards split along one axis by a layout.
 
+    Shards on one device that share their memory with no other tensor are moved into one
+    allocation (the tensor objects keep their identity and values), so lookups and scatter
+    updates over them run as one kernel.
+
     >>> v = ShardedVariable([torch.arange(6.).reshape(3, 2), torch.arange(6., 10.).reshape(2, 2)])
     >>> v.shape, v.layout
     (torch.Size([5, 2]), Layout(strategy='div', sizes=(3, 2), axis=0))
@@ -59,82 +65,92 @@ class ShardedVariable:
 
     def __init__(self, shards: Sequence[torch.Tensor], strategy: str = "div", axis: int = 0, name: str | None = None):
         shards, axis = _check_shards(shards, axis)
-        self._layout = Layout(strategy, tuple(s.shape[axis] for s in shards), axis)
-        self._shards = shards
+        layout = Layout(strategy, tuple(s.shape[axis] for s in shards), axis)
         first = shards[0]
-        self._shape = torch.Size((*first.shape[:axis], self._layout.num_rows, *first.shape[axis + 1 :]))
+        shape = (*first.shape[:axis], layout.num_rows, *first.shape[axis + 1 :])
+        self._store = ShardStore(layout, shape, dict(enumerate(shards)))
         self.name = name
+
+    @classmethod
+    def from_store(cls, store: ShardStore, name: str | None = None) -> ShardedVariable:
+        """The variable over an existing store (its shards are shared, not copied)."""
+        v = cls.__new__(cls)
+        v._store, v.name = store, name
+        return v
 
     # -- what it is -----------------------------------------------------------------------------
     @property
+    def store(self) -> ShardStore:
+        """The shard store behind this variable (its slabs rebuilt if a shard's memory moved)."""
+        return self._store.refresh()
+
+    @property
     def layout(self) -> Layout:
-        return self._layout
+        return self._store.layout
 
     @property
     def variables(self) -> list[torch.Tensor]:
-        """The shard tensors, in shard order (the same objects, not copies)."""
-        return list(self._shards)
+        """The shard tensors held here, in shard order (the same objects, not copies)."""
+        return list(self._store.local_shards().values())
+
+    def local_shards(self) -> dict[int, torch.Tensor]:
+        """The shards held by this process, by shard index."""
+        return self._store.local_shards()
 
     @property
     def shape(self) -> torch.Size:
-        return self._shape
+        return self._store.shape
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._shards[0].dtype
+        return self._store.dtype
 
     @property
     def device(self) -> torch.device:
         """The first shard's device, where materialised results go."""
-        return self._shards[0].device
+        return self._store.groups[0].device if self._store.groups else torch.device("cpu")
 
     @property
     def devices(self) -> list[torch.device]:
-        return [s.device for s in self._shards]
+        return [s.device for s in self.variables]
 
     @property
     def ndim(self) -> int:
-        return len(self._shape)
+        return len(self.shape)
 
     @property
     def requires_grad(self) -> bool:
-        return any(s.requires_grad for s in self._shards)
+        return any(s.requires_grad for s in self.variables)
 
     def dim(self) -> int:
-        return len(self._shape)
+        return len(self.shape)
 
     def size(self, dim: int | None = None) -> torch.Size | int:
-        return self._shape if dim is None else self._shape[dim]
+        return self.shape if dim is None else self.shape[dim]
 
     def numel(self) -> int:
-        return math.prod(self._shape)
+        return math.prod(self.shape)
 
     def __len__(self) -> int:
         """The number of shards (iteration yields the shards, as in the reference)."""
-        return len(self._shards)
+        return len(self.variables)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        return iter(self._shards)
+        return iter(self.variables)
 
     def __repr__(self) -> str:
         devices = sorted({str(d) for d in self.devices})
         name = f"name={self.name!r}, " if self.name else ""
         return (
-            f"ShardedVariable({name}shape={list(self._shape)}, dtype={self.dtype}, "
-            f"layout={self._layout}, devices={devices})"
+            f"{type(self).__name__}({name}shape={list(self.shape)}, dtype={self.dtype}, "
+            f"layout={self.layout}, devices={devices})"
         )
 
     # -- materialising --------------------------------------------------------------------------
     def to_tensor(self, device: torch.device | str | None = None) -> torch.Tensor:
-        """The whole logical tensor (differentiable with respect to the shards)."""
-        device = torch.device(device) if device is not None else self.device
-        axis = self._layout.axis
-        parts = [s.to(device) for s in self._shards]
-        whole = torch.cat(parts, dim=axis) if len(parts) > 1 else parts[0]
-        if get_strategy(self._layout.strategy).contiguous or len(parts) == 1:
-            return whole
-        stored = torch.cat([self._layout.shard_ids(s, device) for s in range(len(parts))])
-        return whole.index_select(axis, torch.argsort(stored))
+        """The whole logical tensor, a new one (differentiable with respect to the shards)."""
+        whole = _indexing.materialise(self.store)
+        return whole if device is None else whole.to(device)
 
     read_value = to_tensor
 
@@ -162,62 +178,62 @@ class ShardedVariable:
     __hash__ = object.__hash__
 
     def __getitem__(self, key: Any) -> torch.Tensor:
-        return _indexing.getitem(self, key)
+        return _indexing.getitem(self.store, key)
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        _indexing.setitem(self, key, value)
+        _indexing.setitem(self.store, key, value)
 
     # -- writes and sparse reads ----------------------------------------------------------------
     def assign(self, value: Any) -> ShardedVariable:
         """Overwrite the whole variable with ``value`` (broadcast to its shape)."""
-        _update.assign(self, value, "assign")
+        _update.assign(self.store, value, "assign")
         return self
 
     def assign_add(self, value: Any) -> ShardedVariable:
-        _update.assign(self, value, "assign_add")
+        _update.assign(self.store, value, "assign_add")
         return self
 
     def assign_sub(self, value: Any) -> ShardedVariable:
-        _update.assign(self, value, "assign_sub")
+        _update.assign(self.store, value, "assign_sub")
         return self
 
     def sparse_read(self, indices: Any) -> torch.Tensor:
         """Rows ``indices`` (any shape), in the order asked: shape ``indices.shape + row_shape``."""
-        return _update.sparse_read(self, indices)
+        return _update.sparse_read(self.store, indices)
 
     def scatter_add(self, indices: Any, updates: Any) -> ShardedVariable:
         """Add ``updates`` to rows ``indices`` (duplicates accumulate)."""
-        _update.scatter(self, "scatter_add", indices, updates)
+        _update.scatter(self.store, "scatter_add", indices, updates)
         return self
 
     def scatter_sub(self, indices: Any, updates: Any) -> ShardedVariable:
-        _update.scatter(self, "scatter_sub", indices, updates)
+        _update.scatter(self.store, "scatter_sub", indices, updates)
         return self
 
     def scatter_mul(self, indices: Any, updates: Any) -> ShardedVariable:
-        _update.scatter(self, "scatter_mul", indices, updates)
+        _update.scatter(self.store, "scatter_mul", indices, updates)
         return self
 
     def scatter_div(self, indices: Any, updates: Any) -> ShardedVariable:
-        _update.scatter(self, "scatter_div", indices, updates)
+        _update.scatter(self.store, "scatter_div", indices, updates)
         return self
 
     def scatter_min(self, indices: Any, updates: Any) -> ShardedVariable:
-        _update.scatter(self, "scatter_min", indices, updates)
+        _update.scatter(self.store, "scatter_min", indices, updates)
         return self
 
     def scatter_max(self, indices: Any, updates: Any) -> ShardedVariable:
-        _update.scatter(self, "scatter_max", indices, updates)
+        _update.scatter(self.store, "scatter_max", indices, updates)
         return self
 
     def scatter_update(self, indices: Any, updates: Any) -> ShardedVariable:
         """Overwrite rows ``indices`` with ``updates``; for a duplicated id the last update wins."""
-        _update.scatter(self, "scatter_update", indices, updates)
+        _update.scatter(self.store, "scatter_update", indices, updates)
         return self
 
     def batch_scatter_update(self, indices: Any, updates: Any) -> ShardedVariable:
         """``scatter_update`` with optional batch dimensions before the sharded axis."""
-        _update.batch_scatter_update(self, indices, updates)
+        _update.batch_scatter_update(self.store, indices, updates)
         return self
 
 

@@ -1,59 +1,33 @@
 """Writes to a ShardedVariable: assign, assign_add/sub, scatter updates, and sparse reads.
 
-Every operation validates ids, shapes and dtypes before touching any shard, so a failing call
-changes nothing. Scatter updates work on any layout: ids are located and grouped by shard
-(vectorised), then each touched shard gets one in-place torch op.
+Every operation validates ids, shapes, dtypes, ranges and the shards themselves before touching
+any shard, so a failing call changes nothing. Scatter updates over a slab are one in-place torch
+op on the whole table; otherwise ids are grouped by slab or shard with one sort.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .._errors import ShardvarTypeError, ShardvarValueError
-from ..layout import Layout, as_ids, check_ids, get_strategy
-from ._gather import gather_rows, positions_by_shard, slab_of, slab_rows
+from ..layout import as_ids, check_ids, group_positions, last_occurrence
+from ._functional import gather
+from ._store import ShardStore
+from ._values import check_local, coerce, device_of
 
-__all__ = ["assign", "scatter", "sparse_read", "split_by_shard", "last_occurrence", "SCATTER_OPS"]
-
-
-def split_by_shard(layout: Layout, ids: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """For each touched shard: (shard, positions in ``ids``, local rows), ids already validated."""
-    shard_of, row = get_strategy(layout.strategy).locate(layout.sizes, ids)
-    for s, pos in enumerate(positions_by_shard(shard_of, layout.num_shards)):
-        if pos.numel():
-            yield s, pos, row.index_select(0, pos)
+__all__ = ["assign", "scatter", "sparse_read", "batch_scatter_update", "check_writable", "SCATTER_OPS"]
 
 
-def last_occurrence(ids: torch.Tensor) -> torch.Tensor:
-    """Positions of the last occurrence of each distinct id, so a duplicated write is 'last wins'."""
-    if ids.numel() <= 1:
-        return torch.arange(ids.numel(), device=ids.device)
-    unique, inverse = torch.unique(ids, return_inverse=True)
-    last = torch.full((unique.numel(),), -1, dtype=torch.int64, device=ids.device)
-    return last.scatter_reduce_(0, inverse, torch.arange(ids.numel(), device=ids.device), "amax")
-
-
-def _as_value(value: Any, dtype: torch.dtype, shape: tuple[int, ...], what: str) -> torch.Tensor:
-    from ._sharded_variable import ShardedVariable
-
-    if isinstance(value, ShardedVariable):
-        value = value.to_tensor()
-    t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
-    if not torch.can_cast(t.dtype, dtype):
-        raise ShardvarTypeError(f"{what} of dtype {t.dtype} cannot be cast to the variable's dtype {dtype}")
-    try:
-        return t.to(dtype).broadcast_to(shape)
-    except RuntimeError:
-        raise ShardvarValueError(f"{what} of shape {list(t.shape)} does not fit shape {list(shape)}") from None
-
-
-def _shard_part(layout: Layout, value: torch.Tensor, s: int) -> torch.Tensor:
-    if get_strategy(layout.strategy).contiguous:
-        return value.narrow(layout.axis, layout.offsets[s], layout.sizes[s])
-    return value.index_select(layout.axis, layout.shard_ids(s, value.device))
+def check_writable(shards: list[torch.Tensor]) -> None:
+    """Raise before any write if some shard cannot be written in place (so none is)."""
+    for s, t in enumerate(shards):
+        if t.is_inference() and not torch.is_inference_mode_enabled():
+            raise ShardvarTypeError(f"shard {s} is an inference tensor; it can only be written inside inference_mode")
+        if torch._debug_has_internal_overlap(t) == 1:
+            raise ShardvarValueError(f"shard {s} has elements sharing memory (an expanded tensor); it cannot be written")
 
 
 _ASSIGN = {
@@ -63,19 +37,20 @@ _ASSIGN = {
 }
 
 
-def assign(v, value: Any, op: str = "assign") -> None:
-    """Write the whole logical value (broadcast to ``v.shape``) into the shards."""
-    value = _as_value(value, v.dtype, tuple(v.shape), "value")
+def assign(store: ShardStore, value: Any, op: str = "assign") -> None:
+    """Write the whole logical value (broadcast to the variable's shape) into the shards."""
+    shards = check_local(store, op)
+    value = coerce(value, store.dtype, tuple(store.shape))
+    check_writable(shards)
     apply = _ASSIGN[op]
     with torch.no_grad():
-        for s, shard in enumerate(v.variables):
-            apply(shard, _shard_part(v.layout, value, s).to(shard.device))
+        for shard, part in zip(shards, store.layout.split(value), strict=True):
+            apply(shard, part.to(shard.device))
 
 
-def sparse_read(v, indices: Any) -> torch.Tensor:
+def sparse_read(store: ShardStore, indices: Any) -> torch.Tensor:
     """Rows ``indices`` in the order asked (the reference groups them by shard: a defect)."""
-    ids = as_ids(indices, device=None if isinstance(indices, torch.Tensor) else v.device)
-    return gather_rows(v.variables, v.layout, ids)
+    return gather(store, indices)
 
 
 def _divide(target: torch.Tensor, rows: torch.Tensor, updates: torch.Tensor) -> None:
@@ -110,60 +85,78 @@ SCATTER_OPS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]
 }
 
 
-def scatter(v, op: str, indices: Any, updates: Any) -> None:
+def _target(store: ShardStore, g: int) -> torch.Tensor:
+    """Group ``g``'s rows as ``[rows, *row_shape]``, a view that writes through to the shards."""
+    group = store.groups[g]
+    if group.slab is not None:
+        return group.slab.view(group.rows, *store.row_shape)
+    shard = store.local_shards()[group.members[0]]
+    return shard if store.layout.axis == 0 else shard.movedim(store.layout.axis, 0)
+
+
+def scatter(store: ShardStore, op: str, indices: Any, updates: Any) -> None:
     """Apply ``op`` at logical rows ``indices`` with ``updates`` of shape ``indices.shape + row_shape``."""
-    layout = v.layout
-    ids = as_ids(indices, device=None if isinstance(indices, torch.Tensor) else v.device)
-    check_ids(ids, layout.num_rows)
-    row_shape = (*v.shape[: layout.axis], *v.shape[layout.axis + 1 :])
-    updates = _as_value(updates, v.dtype, (*ids.shape, *row_shape), "updates")
+    shards = check_local(store, op)
+    ids = as_ids(indices, device=None if isinstance(indices, torch.Tensor) else device_of(store))
+    check_ids(ids, store.layout.num_rows)
+    row_shape = store.row_shape
+    updates = coerce(updates, store.dtype, (*ids.shape, *row_shape), "updates")
+    if op == "scatter_div" and not (store.dtype.is_floating_point or store.dtype.is_complex) and bool((updates == 0).any()):
+        raise ShardvarValueError(f"scatter_div of a {store.dtype} variable by zero; got a zero in updates")
     ids, updates = ids.reshape(-1), updates.reshape(-1, *row_shape)
     if op == "scatter_update":
         keep = last_occurrence(ids)
         ids, updates = ids.index_select(0, keep), updates.index_select(0, keep.to(updates.device))
     apply = SCATTER_OPS[op]
-    shards = v.variables
+    slab = store.full_slab
+    if slab is not None:  # one op over the whole table
+        check_writable(shards)
+        with torch.no_grad():
+            rows = store.layout.strategy.storage_rows(store.layout.sizes, ids.to(slab.device))
+            apply(slab.view(slab.shape[0], *row_shape), rows, updates.to(slab.device))
+        return
+    group, row = store.route(ids)
+    touched = group_positions(group, len(store.groups))
+    check_writable([store.local_shards()[s] for g, _ in touched for s in store.groups[g].members])
     with torch.no_grad():
-        slab = slab_of(shards, layout)
-        if slab is not None:
-            # Shards that are consecutive pieces of one allocation: one op on the whole table.
-            rows = slab_rows(layout, ids.to(slab.device))
-            apply(slab.view(layout.num_rows, *row_shape), rows, updates.to(slab.device))
-            return
-        for s, pos, rows in split_by_shard(layout, ids):
-            target = shards[s] if layout.axis == 0 else shards[s].movedim(layout.axis, 0)
-            part = updates.index_select(0, pos.to(updates.device)).to(target.device)
-            apply(target, rows.to(target.device), part)
+        for g, pos in touched:
+            target = _target(store, g)
+            part = updates if len(store.groups) == 1 else updates.index_select(0, pos.to(updates.device))
+            rows = row if len(store.groups) == 1 else row.index_select(0, pos)
+            apply(target, rows.to(target.device), part.to(target.device))
 
 
-def batch_scatter_update(v, indices: Any, updates: Any) -> None:
+def batch_scatter_update(store: ShardStore, indices: Any, updates: Any) -> None:
     """``v[b..., indices[b..., j], ...] = updates[b..., j, ...]`` for batch dims before the sharded axis.
 
     With 1-D indices this is :func:`scatter` with ``scatter_update``.
     """
-    ids = as_ids(indices, device=None if isinstance(indices, torch.Tensor) else v.device)
-    axis = v.layout.axis
+    shards = check_local(store, "batch_scatter_update")
+    ids = as_ids(indices, device=None if isinstance(indices, torch.Tensor) else device_of(store))
+    axis = store.layout.axis
     if ids.dim() <= 1:
-        scatter(v, "scatter_update", ids, updates)
+        scatter(store, "scatter_update", ids, updates)
         return
     batch = tuple(ids.shape[:-1])
-    if tuple(v.shape[: len(batch)]) != batch or axis != len(batch):
+    if tuple(store.shape[: len(batch)]) != batch or axis != len(batch):
         raise ShardvarValueError(
             f"batched indices of shape {list(ids.shape)} need a variable of shape {list(batch)} + [rows, ...] "
-            f"split along axis {len(batch)}; got shape {list(v.shape)} split along axis {axis}"
+            f"split along axis {len(batch)}; got shape {list(store.shape)} split along axis {axis}"
         )
-    check_ids(ids, v.layout.num_rows)
-    row_shape = tuple(v.shape[axis + 1 :])
-    updates = _as_value(updates, v.dtype, (*ids.shape, *row_shape), "updates")
+    check_ids(ids, store.layout.num_rows)
+    row_shape = tuple(store.shape[axis + 1 :])
+    updates = coerce(updates, store.dtype, (*ids.shape, *row_shape), "updates")
     k = ids.shape[-1]
     flat_batch = torch.arange(ids.numel(), device=ids.device) // k
     flat_ids = ids.reshape(-1)
-    keep = last_occurrence(flat_batch * v.layout.num_rows + flat_ids)
+    keep = last_occurrence(flat_batch * store.layout.num_rows + flat_ids)
     flat_batch, flat_ids = flat_batch[keep], flat_ids[keep]
     flat_updates = updates.reshape(-1, *row_shape).index_select(0, keep.to(updates.device))
     batch_index = torch.unravel_index(flat_batch, batch)
+    pieces = store.layout.split_ids(flat_ids)
+    check_writable([shards[s] for s, _, _ in pieces])
     with torch.no_grad():
-        for s, pos, rows in split_by_shard(v.layout, flat_ids):
-            shard = v.variables[s]
+        for s, pos, rows in pieces:
+            shard = shards[s]
             index = (*(b.index_select(0, pos).to(shard.device) for b in batch_index), rows.to(shard.device))
             shard.index_put_(index, flat_updates.index_select(0, pos.to(flat_updates.device)).to(shard.device))

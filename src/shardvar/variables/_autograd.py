@@ -1,0 +1,103 @@
+"""The two autograd Functions every local lookup goes through.
+
+* :class:`SlabView`: the whole table as one tensor over the shards' shared memory. Any torch op
+  (``F.embedding``, ``F.embedding_bag``, with every option) runs on it as on an unsharded table;
+  its gradient is split back into one gradient per shard: views of one dense gradient, or one
+  sparse gradient per shard.
+* :class:`GatherRows`: rows of chosen ids from shards that share no slab (several devices, or
+  shards we may not move), grouped by slab or shard with one sort, flat in the shard count.
+
+Both save tensors with ``save_for_backward`` and define ``setup_context``, so saved-tensor hooks,
+``torch.func`` and double backward work; their backward passes are built of differentiable ops.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..layout import group_positions
+from ._store import ShardStore
+
+__all__ = ["SlabView", "GatherRows", "gather_local"]
+
+
+def _ordered(store: ShardStore, grads: dict[int, torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+    return tuple(grads.get(s) for s in store.local_shards())
+
+
+class SlabView(torch.autograd.Function):
+    """``SlabView.apply(store, *shards)``: the store's full slab, differentiable into the shards."""
+
+    @staticmethod
+    def forward(store: ShardStore, *shards: torch.Tensor) -> torch.Tensor:
+        return store.full_slab.detach()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.store = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        store: ShardStore = ctx.store
+        if grad.layout == torch.sparse_coo:
+            grads = store.split_sparse_grad(0, grad._indices()[0], grad._values())
+        else:
+            grads = store.split_grad(0, grad)
+        return (None, *_ordered(store, grads))
+
+
+def gather_local(store: ShardStore, ids: torch.Tensor, out_device: torch.device) -> torch.Tensor:
+    """Rows ``ids`` (1-D, valid, all held locally) as ``[len(ids), width]`` on ``out_device``."""
+    group, row = store.route(ids)
+    if len(store.groups) == 1:
+        source = store.group_rows(0)
+        return source.index_select(0, row.to(source.device)).to(out_device)
+    out = torch.empty(ids.numel(), store.width, dtype=store.dtype, device=out_device)
+    for g, pos in group_positions(group, len(store.groups)):
+        source = store.group_rows(g)
+        rows = source.index_select(0, row.index_select(0, pos).to(source.device))
+        out.index_copy_(0, pos.to(out_device), rows.to(out_device))
+    return out
+
+
+def scatter_grads(store: ShardStore, ids: torch.Tensor, grad: torch.Tensor, sparse: bool) -> dict[int, torch.Tensor]:
+    """Each local shard's gradient from the gradient rows ``grad`` of ``ids`` (duplicates add up)."""
+    group, row = store.route(ids)
+    grads = {}
+    parts = [(0, None)] if len(store.groups) == 1 else group_positions(group, len(store.groups))
+    for g, pos in parts:
+        info = store.groups[g]
+        rows = row if pos is None else row.index_select(0, pos)
+        part = grad if pos is None else grad.index_select(0, pos.to(grad.device))
+        rows, part = rows.to(info.device), part.to(info.device, store.dtype)
+        if sparse:
+            grads.update(store.split_sparse_grad(g, rows, part))
+        else:
+            dense = torch.zeros(info.rows, store.width, dtype=store.dtype, device=info.device)
+            grads.update(store.split_grad(g, dense.index_add(0, rows, part)))
+    # A shard this lookup did not touch still gets a (zero) gradient, as its rows would in an
+    # unsharded table: optimizers then step every shard exactly as they step the table.
+    missing = {s: t for s, t in store.zero_grads(sparse).items() if s not in grads}
+    return {**grads, **missing}
+
+
+class GatherRows(torch.autograd.Function):
+    """``GatherRows.apply(store, ids, sparse, *shards)``: rows of valid 1-D ``ids`` held locally."""
+
+    @staticmethod
+    def forward(store: ShardStore, ids: torch.Tensor, sparse: bool, *shards: torch.Tensor) -> torch.Tensor:
+        return gather_local(store, ids, ids.device)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        store, ids, sparse = inputs[:3]
+        ctx.save_for_backward(ids)
+        ctx.store, ctx.sparse = store, sparse
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (ids,) = ctx.saved_tensors
+        grads = scatter_grads(ctx.store, ids, grad, ctx.sparse)
+        return (None, None, None, *_ordered(ctx.store, grads))

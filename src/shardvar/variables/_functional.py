@@ -1,0 +1,229 @@
+"""``F.embedding`` and ``F.embedding_bag`` over a ShardStore: the one implementation of every lookup.
+
+A lookup finds a *source*: a weight tensor and the indices into it that stand for the ids.
+
+* full slab (one allocation holds the whole table on one device): the weight is the slab itself
+  (:class:`SlabView`, or the lone shard) and the indices are the ids' storage rows, so the lookup
+  is the unsharded torch op, with all its options, at its speed.
+* otherwise (several devices, shards that cannot share a slab, or shards on other ranks): the
+  distinct ids' rows are fetched (locally with :class:`GatherRows`, or from their owners by the
+  store's ``exchange``) and the op runs on those rows with each id's position among them.
+
+Either way the torch op itself handles padding, bags, per-sample weights and sparse gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .._errors import ShardvarValueError
+from .._validate import check_choice, check_int, check_number
+from ..layout import as_ids, check_ids
+from ._autograd import GatherRows, SlabView
+from ._store import ShardStore
+
+__all__ = ["embedding", "embedding_bag", "gather", "check_padding_idx", "BAG_MODES"]
+
+BAG_MODES = ("sum", "mean", "max")
+
+
+class _Source(NamedTuple):
+    weight: torch.Tensor
+    indices: torch.Tensor
+    padding_idx: int | None
+    max_norm: float | None  # left for the torch op to apply (the full-slab path)
+    sparse: bool
+
+
+def check_padding_idx(padding_idx: Any, num_rows: int) -> int | None:
+    """``padding_idx`` normalised to [0, num_rows), as nn.Embedding accepts it (negative counts back)."""
+    if padding_idx is None:
+        return None
+    p = check_int(padding_idx, "padding_idx")
+    if not -num_rows <= p < num_rows:
+        raise ShardvarValueError(f"padding_idx must be within [-{num_rows}, {num_rows}); got {p}")
+    return p % num_rows
+
+
+def _slab_weight(store: ShardStore) -> torch.Tensor:
+    shards = list(store.local_shards().values())
+    if len(shards) == 1 and shards[0].is_contiguous():
+        # One shard is the table: no Function, no copy, nothing to pay for sharding.
+        return shards[0].view(store.full_slab.shape) if shards[0].dim() != 2 else shards[0]
+    return SlabView.apply(store, *shards)
+
+
+def _source(
+    store: ShardStore,
+    ids: torch.Tensor,
+    padding_idx: int | None,
+    max_norm: float | None,
+    norm_type: float,
+    sparse: bool,
+    by_rows: bool = False,
+) -> _Source:
+    """Where the op reads: the full slab, or the fetched rows of the distinct ids (``by_rows``)."""
+    if store.exchange is None and store.full_slab is not None and not by_rows:
+        rows = store.layout.strategy.storage_rows(store.layout.sizes, ids)
+        pad = None
+        if padding_idx is not None:
+            pad = int(store.layout.storage_rows(torch.tensor([padding_idx]), check=False)[0])
+        return _Source(_slab_weight(store), rows, pad, max_norm, sparse)
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    request, pad = unique, None
+    if padding_idx is not None:
+        # The padding row goes last, and every padding id points at it: the op then gives it no
+        # gradient (and leaves it out of bags) exactly as for an unsharded table.
+        pad = unique.numel()
+        request = torch.cat([unique, unique.new_tensor([padding_idx])])
+        inverse = torch.where(ids == padding_idx, pad, inverse)
+    if store.exchange is not None:
+        rows = store.exchange.rows(store, request, sparse=sparse, max_norm=max_norm, norm_type=norm_type)
+    else:
+        if max_norm is not None:
+            renorm(store, unique, max_norm, norm_type)
+        rows = GatherRows.apply(store, request, sparse, *store.local_shards().values())
+    return _Source(rows, inverse, pad, None, False)
+
+
+def renorm(store: ShardStore, ids: torch.Tensor, max_norm: float, norm_type: float) -> None:
+    """Rescale rows ``ids`` (valid, local) in place to norm <= max_norm, as nn.Embedding's max_norm does."""
+    group, row = store.route(ids)
+    with torch.no_grad():
+        for g in range(len(store.groups)):
+            rows = row[group == g] if len(store.groups) > 1 else row
+            if rows.numel():
+                target = store.group_rows(g)  # a view of the shards' memory (2-D tables only)
+                torch.embedding_renorm_(target, rows.to(target.device), max_norm, norm_type)
+
+
+def _ids(store: ShardStore, ids: Any) -> torch.Tensor:
+    device = store.groups[0].device if store.groups else None
+    t = as_ids(ids, device=None if isinstance(ids, torch.Tensor) else device)
+    if store.exchange is None:
+        check_ids(t, store.layout.num_rows)  # a distributed lookup agrees on bad ids across ranks
+    return t
+
+
+def _options(store: ShardStore, max_norm: Any, norm_type: Any) -> tuple[float | None, float]:
+    max_norm = check_number(max_norm, "max_norm", positive=True, allow_none=True)
+    if max_norm is not None and (len(store.shape) != 2 or store.layout.axis != 0):
+        raise ShardvarValueError(f"max_norm needs a 2-D table split along axis 0; got shape {list(store.shape)}")
+    return max_norm, check_number(norm_type, "norm_type")
+
+
+def gather(store: ShardStore, ids: Any) -> torch.Tensor:
+    """Rows ``ids`` (any shape) of the logical variable: shape ``ids.shape + row_shape``."""
+    return embedding(store, ids)
+
+
+def embedding(
+    store: ShardStore,
+    ids: Any,
+    *,
+    padding_idx: int | None = None,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
+    scale_grad_by_freq: bool = False,
+    sparse: bool = False,
+) -> torch.Tensor:
+    """``F.embedding(ids, table)`` where the table is the store's logical variable (split along axis 0)."""
+    store.refresh()
+    max_norm, norm_type = _options(store, max_norm, norm_type)
+    ids = _ids(store, ids)
+    _check_sparse(store, sparse)
+    padding_idx = check_padding_idx(padding_idx, store.layout.num_rows)
+    src = _source(store, ids.reshape(-1), padding_idx, max_norm, norm_type, sparse)
+    out = F.embedding(src.indices, src.weight, src.padding_idx, src.max_norm, norm_type, scale_grad_by_freq, src.sparse)
+    return out.reshape(*ids.shape, *store.row_shape)
+
+
+def _check_sparse(store: ShardStore, sparse: bool) -> None:
+    if sparse and (len(store.shape) != 2 or store.layout.axis != 0):
+        raise ShardvarValueError(
+            f"sparse gradients need a 2-D variable split along axis 0; got shape {list(store.shape)} "
+            f"split along axis {store.layout.axis}"
+        )
+
+
+def _check_bag(ids: torch.Tensor, offsets: torch.Tensor | None, include_last_offset: bool) -> torch.Tensor | None:
+    if ids.dim() == 2:
+        if offsets is not None:
+            raise ShardvarValueError("offsets must be None when input is 2-D (each row is one bag)")
+        return None
+    if ids.dim() != 1 or offsets is None:
+        raise ShardvarValueError(
+            f"input must be 2-D, or 1-D with offsets; got shape {list(ids.shape)} and offsets={offsets}"
+        )
+    offsets = as_ids(offsets).to(ids.device)
+    if offsets.dim() != 1 or offsets.numel() == 0 or int(offsets[0]) != 0:
+        raise ShardvarValueError(f"offsets must be 1-D, non-empty and start at 0; got {offsets.tolist()[:8]}")
+    if bool((offsets[1:] < offsets[:-1]).any()) or int(offsets[-1]) > ids.numel():
+        raise ShardvarValueError(
+            f"offsets must be non-decreasing and at most len(input)={ids.numel()}; got {offsets.tolist()[:8]}"
+        )
+    if include_last_offset and int(offsets[-1]) != ids.numel():
+        raise ShardvarValueError(
+            f"with include_last_offset=True the last offset must equal len(input)={ids.numel()}; "
+            f"got {int(offsets[-1])}"
+        )
+    return offsets
+
+
+def _check_weights(per_sample_weights: Any, ids: torch.Tensor, mode: str, dtype: torch.dtype) -> torch.Tensor | None:
+    if per_sample_weights is None:
+        return None
+    if mode != "sum":
+        raise ShardvarValueError(f"per_sample_weights are only supported with mode='sum'; got mode={mode!r}")
+    w = torch.as_tensor(per_sample_weights)
+    if tuple(w.shape) != tuple(ids.shape):
+        raise ShardvarValueError(
+            f"per_sample_weights of shape {list(w.shape)} must match input of shape {list(ids.shape)}"
+        )
+    if not w.is_floating_point():
+        raise ShardvarValueError(f"per_sample_weights must be floating point; got dtype {w.dtype}")
+    return w.to(ids.device, dtype)
+
+
+def embedding_bag(
+    store: ShardStore,
+    ids: Any,
+    offsets: Any = None,
+    *,
+    mode: str = "mean",
+    per_sample_weights: Any = None,
+    padding_idx: int | None = None,
+    include_last_offset: bool = False,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
+    scale_grad_by_freq: bool = False,
+    sparse: bool = False,
+) -> torch.Tensor:
+    """``F.embedding_bag`` over the store's logical ``[rows, dim]`` table; everything is checked first."""
+    store.refresh()
+    check_choice(mode, "mode", BAG_MODES)
+    max_norm, norm_type = _options(store, max_norm, norm_type)
+    ids = _ids(store, ids)
+    _check_sparse(store, sparse)
+    offsets = _check_bag(ids, offsets, include_last_offset)
+    weights = _check_weights(per_sample_weights, ids, mode, store.dtype)
+    padding_idx = check_padding_idx(padding_idx, store.layout.num_rows)
+    # torch has no sparse gradient for max bags; fetched rows give each shard a sparse one anyway.
+    by_rows = sparse and mode == "max"
+    src = _source(store, ids.reshape(-1), padding_idx, max_norm, norm_type, sparse, by_rows)
+    return F.embedding_bag(
+        src.indices.reshape(ids.shape),
+        src.weight,
+        offsets,
+        src.max_norm,
+        norm_type,
+        scale_grad_by_freq,
+        mode,
+        src.sparse,
+        weights,
+        include_last_offset,
+        src.padding_idx,
+    )

@@ -1,0 +1,325 @@
+"""ShardStore: the local shards of one logical variable, and the slabs that back them.
+
+Every sharded thing (ShardedVariable, ShardedEmbedding(Bag), the distributed variable, the
+checkpoint's view of them) keeps its shards in a store. Shards that lie back to back in one
+allocation on one device form a *slab*: a ``[rows, width]`` tensor over their memory, so a
+lookup or scatter update over all of them is one kernel. A store holds all shards of a local
+variable, or a rank's own shards of a distributed one (``exchange`` then fetches the others).
+
+Shards that the user allocated one by one are moved into one slab per device when that is safe
+(no other tensor shares their memory, they are leaves): the tensor objects keep their identity
+and values, only their memory moves (``Tensor.set_``), so the fast path is the only path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._errors import ShardvarTypeError, ShardvarValueError
+from ..layout import Layout
+
+__all__ = ["Group", "ShardStore", "rows_2d"]
+
+def _use_count(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+_PROBE = torch.empty(1)
+_BASE_USE = _use_count(_PROBE)  # the count of a tensor that nothing else shares memory with
+del _PROBE
+
+
+def rows_2d(shard: torch.Tensor, axis: int) -> torch.Tensor:
+    """The shard as ``[rows, width]``: a view when ``axis == 0`` and the shard is contiguous."""
+    moved = shard if axis == 0 else shard.movedim(axis, 0)
+    return moved.reshape(moved.shape[0], math.prod(moved.shape[1:]))
+
+
+@dataclass(frozen=True)
+class Group:
+    """Local shards read together: one slab on one device, or a single shard on its own."""
+
+    device: torch.device
+    members: tuple[int, ...]  # shard indices, in the order their rows lie in the group
+    starts: tuple[int, ...]  # first row of each member within the group
+    rows: int
+    slab: torch.Tensor | None  # [rows, width] over the members' memory; None: a lone shard read as is
+
+
+def _as_slab(shards: list[torch.Tensor]) -> torch.Tensor | None:
+    """A ``[rows, width]`` tensor over the shards' memory when they lie back to back in it, in order."""
+    first = shards[0]
+    if first.dim() == 0 or first.layout != torch.strided or first.device.type == "meta":
+        return None
+    ptr, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for s in shards:
+        if s.dtype != first.dtype or not s.is_contiguous() or s.storage_offset() != offset:
+            return None
+        if s.untyped_storage().data_ptr() != ptr:
+            return None
+        offset += math.prod(s.shape)
+    rows = sum(s.shape[0] for s in shards)
+    width = math.prod(first.shape[1:])
+    slab = torch.empty(0, dtype=first.dtype, device=first.device)
+    return slab.set_(first.untyped_storage(), first.storage_offset(), (rows, width), (width, 1))
+
+
+def _adoptable(t: torch.Tensor) -> bool:
+    # Re-pointing a tensor is invisible to its owner only if nothing else sees its memory: no
+    # view of it, no base it views, no autograd graph that saved it. Tensor subclasses keep their
+    # own semantics, so only plain tensors and Parameters are moved.
+    return (
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t._base is None
+        and (t.is_leaf or not t.requires_grad)
+        and not t.is_inference()
+        and t.layout == torch.strided
+        and t.device.type != "meta"
+        and _use_count(t) == _BASE_USE
+    )
+
+
+def _adopt(shards: list[torch.Tensor]) -> bool:
+    """Move same-device shards into one new allocation, back to back; False when not safe."""
+    if len({id(s) for s in shards}) != len(shards) or not all(_adoptable(s) for s in shards):
+        return False
+    first = shards[0]
+    slab = torch.empty((sum(s.shape[0] for s in shards), *first.shape[1:]), dtype=first.dtype, device=first.device)
+    with torch.no_grad():
+        start = 0
+        for s in shards:
+            piece = slab.narrow(0, start, s.shape[0])
+            piece.copy_(s)
+            s.set_(slab.untyped_storage(), piece.storage_offset(), s.shape, piece.stride())
+            start += s.shape[0]
+    return True
+
+
+def _check_shards(shards: Mapping[int, torch.Tensor], layout: Layout, shape: torch.Size) -> torch.dtype:
+    dtypes = {t.dtype for t in shards.values()}
+    if len(dtypes) > 1:
+        raise ShardvarTypeError(f"all shards must have the same dtype; got {sorted(str(d) for d in dtypes)}")
+    for s, t in shards.items():
+        expected = layout.shard_shape(shape, s)
+        if tuple(t.shape) != expected:
+            raise ShardvarValueError(f"shard {s} has shape {list(t.shape)}; layout {layout} expects {list(expected)}")
+    return dtypes.pop() if dtypes else torch.float32
+
+
+class ShardStore:
+    """The local shards of a logical variable of ``shape`` laid out by ``layout``, with their slabs.
+
+    >>> store = ShardStore.allocate(Layout.mod(6, 2), (6, 3), torch.float32)
+    >>> store.full_slab.shape, sorted(store.local_shards())
+    (torch.Size([6, 3]), [0, 1])
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        shape: Sequence[int],
+        shards: Mapping[int, torch.Tensor],
+        *,
+        dtype: torch.dtype | None = None,
+        adopt: bool = True,
+    ) -> None:
+        self.layout = layout
+        self.shape = torch.Size(layout.check_shape(shape))
+        self._shards = dict(sorted(shards.items()))
+        self.dtype = _check_shards(self._shards, layout, self.shape) if self._shards else (dtype or torch.float32)
+        self.adopt = adopt
+        self.exchange: Any = None  # set by the distributed layer: fetches rows owned elsewhere
+        self._build()
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def allocate(
+        cls,
+        layout: Layout,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        *,
+        devices: Sequence[torch.device | str] | None = None,
+        owned: Sequence[int] | None = None,
+        values: torch.Tensor | Callable[[int], torch.Tensor] | None = None,
+        requires_grad: bool = False,
+    ) -> ShardStore:
+        """New shards (``owned``, default all), one slab per device when split along axis 0.
+
+        ``values`` is the logical tensor to copy in, or ``shard -> tensor`` giving each owned
+        shard's value; without it the shards are uninitialised.
+        """
+        shape = torch.Size(layout.check_shape(shape))
+        owned = list(range(layout.num_shards)) if owned is None else sorted(owned)
+        devs = [torch.device(d) for d in devices] if devices is not None else None
+        if devs is not None and len(devs) != layout.num_shards:
+            raise ShardvarValueError(f"got {len(devs)} devices for {layout.num_shards} shards; give one per shard")
+        default = values.device if isinstance(values, torch.Tensor) else torch.device("cpu")
+        where = {s: devs[s] if devs else default for s in owned}
+        parts = layout.split(values) if isinstance(values, torch.Tensor) else None
+        shards: dict[int, torch.Tensor] = {}
+        for device in dict.fromkeys(where.values()):
+            members = [s for s in owned if where[s] == device]
+            for s, piece in zip(members, _empty_shards(layout, shape, dtype, device, members), strict=True):
+                if parts is not None or callable(values):
+                    with torch.no_grad():
+                        piece.copy_(parts[s] if parts is not None else values(s))
+                shards[s] = torch.nn.Parameter(piece, requires_grad=True) if requires_grad else piece
+        return cls(layout, shape, shards, dtype=dtype)
+
+    def _build(self) -> None:
+        """Group the local shards by device into slabs (adopting shards into one when safe)."""
+        groups: list[Group] = []
+        by_device: dict[torch.device, list[int]] = {}
+        for s, t in self._shards.items():
+            by_device.setdefault(t.device, []).append(s)
+        for device, members in by_device.items():
+            tensors = [self._shards[s] for s in members]
+            slab = _as_slab(tensors) if self.layout.axis == 0 else None
+            if slab is None and self.layout.axis == 0 and self.adopt and _adopt(tensors):
+                slab = _as_slab(tensors)
+            if slab is not None:
+                groups.append(Group(device, tuple(members), _running(self.layout, members), slab.shape[0], slab))
+                continue
+            for s in members:
+                groups.append(Group(device, (s,), (0,), self.layout.sizes[s], None))
+        self.groups = tuple(groups)
+        self._signature = self._current_signature()
+        self._routes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _current_signature(self) -> tuple:
+        # Storage pointer and offset rather than data_ptr(): reading them touches no data.
+        return tuple((t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype) for t in self._shards.values())
+
+    def refresh(self) -> ShardStore:
+        """Rebuild the slabs if a shard's memory changed (``param.data = ...``, ``module.to(...)``)."""
+        if self._current_signature() != self._signature:
+            self.dtype = _check_shards(self._shards, self.layout, self.shape)
+            self._build()
+        return self
+
+    # -- what it holds --------------------------------------------------------------------------
+    def local_shards(self) -> dict[int, torch.Tensor]:
+        """This process's shards by shard index (the same objects, not copies)."""
+        return dict(self._shards)
+
+    @property
+    def is_complete(self) -> bool:
+        """Whether every shard is local (a local variable, or a distributed one on one rank)."""
+        return len(self._shards) == self.layout.num_shards
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return _rest(self.shape, self.layout.axis)
+
+    @property
+    def width(self) -> int:
+        return math.prod(self.row_shape)
+
+    @property
+    def full_slab(self) -> torch.Tensor | None:
+        """The whole table as one ``[rows, width]`` tensor in storage order, when one slab holds it."""
+        if len(self.groups) == 1 and self.is_complete and self.groups[0].slab is not None:
+            return self.groups[0].slab
+        return None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._shards.values())
+
+    def route(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(group index, row within the group) of each valid logical id held locally (-1: not local)."""
+        device = ids.device
+        if device not in self._routes:
+            group_of = torch.full((self.layout.num_shards,), -1, dtype=torch.int64)
+            start = torch.zeros(self.layout.num_shards, dtype=torch.int64)
+            for g, group in enumerate(self.groups):
+                for s, first in zip(group.members, group.starts, strict=True):
+                    group_of[s], start[s] = g, first
+            self._routes[device] = (group_of.to(device), start.to(device))
+        group_of, start = self._routes[device]
+        shard, row = self.layout.strategy.locate(self.layout.sizes, ids)
+        return group_of[shard], start[shard] + row
+
+    def group_rows(self, g: int) -> torch.Tensor:
+        """Group ``g``'s rows as ``[rows, width]`` (its slab, or its lone shard reshaped)."""
+        group = self.groups[g]
+        if group.slab is not None:
+            return group.slab
+        return rows_2d(self._shards[group.members[0]], self.layout.axis)
+
+    # -- gradients --------------------------------------------------------------------------------
+    def split_grad(self, g: int, grad: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Group ``g``'s dense ``[rows, width]`` gradient as one gradient per member shard (views)."""
+        group = self.groups[g]
+        out = {}
+        for s, first in zip(group.members, group.starts, strict=True):
+            size = self.layout.sizes[s]
+            moved = (size, *_rest(self.shape, self.layout.axis))
+            piece = grad.narrow(0, first, size).view(moved)
+            out[s] = piece if self.layout.axis == 0 else piece.movedim(0, self.layout.axis)
+        return out
+
+    def split_sparse_grad(self, g: int, rows: torch.Tensor, values: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Sparse COO gradients per member shard from group rows ``rows`` and their ``values``."""
+        group = self.groups[g]
+        if len(group.members) == 1:
+            s = group.members[0]
+            return {s: _sparse(rows, values, self.layout.sizes[s])}
+        starts = torch.tensor(group.starts, dtype=torch.int64, device=rows.device)
+        member = torch.searchsorted(starts, rows, right=True) - 1
+        order = torch.argsort(member)
+        counts = torch.bincount(member, minlength=len(group.members)).tolist()
+        out = {}
+        for k, (s, pos) in enumerate(zip(group.members, order.split(counts), strict=True)):
+            out[s] = _sparse(rows.index_select(0, pos) - group.starts[k], values.index_select(0, pos), self.layout.sizes[s])
+        return out
+
+    def zero_grads(self, sparse: bool) -> dict[int, torch.Tensor]:
+        """A zero gradient for every local shard (sparse COO, or dense)."""
+        if sparse:
+            return {
+                s: _sparse(torch.empty(0, dtype=torch.int64, device=t.device), t.new_empty(0, self.width), t.shape[0])
+                for s, t in self._shards.items()
+            }
+        return {s: torch.zeros_like(t) for s, t in self._shards.items()}
+
+    def __repr__(self) -> str:
+        slabs = sum(g.slab is not None for g in self.groups)
+        return (
+            f"ShardStore(shape={list(self.shape)}, dtype={self.dtype}, layout={self.layout}, "
+            f"local={list(self._shards)}, groups={len(self.groups)}, slabs={slabs})"
+        )
+
+
+def _rest(shape: Sequence[int], axis: int) -> tuple[int, ...]:
+    return (*shape[:axis], *shape[axis + 1 :])
+
+
+def _empty_shards(
+    layout: Layout, shape: torch.Size, dtype: torch.dtype, device: torch.device, members: list[int]
+) -> list[torch.Tensor]:
+    # Along axis 0 the shards are consecutive pieces of one slab; along another axis a slab would
+    # buy nothing (rows are not contiguous), so each shard is its own contiguous tensor.
+    if layout.axis != 0:
+        return [torch.empty(layout.shard_shape(shape, s), dtype=dtype, device=device) for s in members]
+    rows = [layout.sizes[s] for s in members]
+    slab = torch.empty((sum(rows), *shape[1:]), dtype=dtype, device=device)
+    return list(slab.split(rows)) if members else []
+
+
+def _running(layout: Layout, members: list[int]) -> tuple[int, ...]:
+    out, acc = [], 0
+    for s in members:
+        out.append(acc)
+        acc += layout.sizes[s]
+    return tuple(out)
+
+
+def _sparse(rows: torch.Tensor, values: torch.Tensor, num_rows: int) -> torch.Tensor:
+    return torch.sparse_coo_tensor(rows.unsqueeze(0), values, (num_rows, values.shape[1]), check_invariants=False)

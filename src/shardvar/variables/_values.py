@@ -1,0 +1,81 @@
+"""Values written into or read out of a store as a whole: materialising, and checking what is written."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._errors import ShardvarTypeError, ShardvarValueError
+from ._functional import gather
+from ._store import ShardStore
+
+__all__ = ["materialise", "as_value", "coerce", "check_local", "device_of"]
+
+
+def device_of(store: ShardStore) -> torch.device:
+    """Where results read from the store go: its first slab's (or shard's) device."""
+    return store.groups[0].device if store.groups else torch.device("cpu")
+
+
+def check_local(store: ShardStore, what: str) -> list[torch.Tensor]:
+    """The store's shards, all of them; a store missing some (a distributed one) cannot ``what``."""
+    if not store.is_complete:
+        raise ShardvarTypeError(
+            f"{what} needs every shard in this process; a distributed variable holds only this rank's "
+            f"shards {sorted(store.local_shards())} of {store.layout.num_shards}: use lookups, or local_shards()"
+        )
+    return list(store.local_shards().values())
+
+
+def materialise(store: ShardStore) -> torch.Tensor:
+    """The whole logical tensor as a new tensor (collective for a distributed store)."""
+    if not store.is_complete:
+        return gather(store, torch.arange(store.layout.num_rows, device=device_of(store)))
+    return store.layout.join(list(store.local_shards().values()))
+
+
+def as_value(value: Any) -> torch.Tensor:
+    """``value`` as a tensor; a ShardedVariable (anything exposing a ``store``) as its logical tensor."""
+    store = getattr(value, "store", None)
+    if isinstance(store, ShardStore):
+        return materialise(store)
+    if isinstance(value, torch.Tensor):
+        return value
+    if value is None:
+        raise ShardvarTypeError("cannot write None into a variable; expected a tensor, number or nested list")
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+        raise ShardvarTypeError(f"cannot read {value!r:.60} as a tensor ({e})") from None
+
+
+def _check_range(t: torch.Tensor, dtype: torch.dtype) -> None:
+    # Writing 300 into uint8 would wrap silently: refuse, naming the value and the dtype's range.
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool or t.numel() == 0:
+        return
+    if t.dtype == dtype or t.dtype == torch.bool:
+        return
+    info = torch.iinfo(dtype)
+    low, high = t.min(), t.max()
+    if t.is_floating_point():
+        low, high = low.floor(), high.ceil()
+    for bad in (low, high):
+        if not info.min <= int(bad) <= info.max:
+            raise ShardvarValueError(f"value {int(bad)} is out of range for {dtype}: expected [{info.min}, {info.max}]")
+
+
+def coerce(
+    value: Any, dtype: torch.dtype, shape: tuple[int, ...] | torch.Size, what: str = "value", selection: bool = False
+) -> torch.Tensor:
+    """``value`` checked and cast to ``dtype`` and broadcast to ``shape``, or a clear error."""
+    t = as_value(value)
+    explicit = isinstance(value, torch.Tensor) or isinstance(getattr(value, "store", None), ShardStore)
+    if not torch.can_cast(t.dtype, dtype) and (explicit or dtype != torch.bool):
+        raise ShardvarTypeError(f"{what} of dtype {t.dtype} cannot be cast to the variable's dtype {dtype} (a lossy cast)")
+    _check_range(t, dtype)
+    try:
+        return t.to(dtype).broadcast_to(shape)
+    except RuntimeError:
+        fit = "cannot be assigned to a selection of shape" if selection else "does not fit shape"
+        raise ShardvarValueError(f"{what} of shape {list(t.shape)} {fit} {list(shape)}") from None
