@@ -38,7 +38,7 @@ class Partial:
 def as_partial(value: Any) -> Partial | None:
     """A ShardedVariable, or anything with ``layout``, ``shape``, ``dtype`` and ``local_shards()``."""
     if isinstance(value, ShardedVariable):
-        return Partial(value.layout, tuple(value.shape), value.dtype, dict(enumerate(value.variables)))
+        return Partial(value.layout, tuple(value.shape), value.dtype, value.local_shards())
     if all(hasattr(value, a) for a in ("layout", "shape", "dtype", "local_shards")):
         return Partial(value.layout, tuple(value.shape), value.dtype, value.local_shards())
     return None

@@ -2,14 +2,16 @@
 
 from ._checkpoint import load, save
 from ._comm import DEFAULT_TIMEOUT, Comm
-from ._module import DistributedEmbedding
-from ._variable import DistributedShardedVariable, round_robin
+from ._module import DistributedEmbedding, DistributedEmbeddingBag
+from ._variable import DistributedShardedVariable, distributed_store, round_robin
 
 __all__ = [
     "DEFAULT_TIMEOUT",
     "Comm",
     "DistributedEmbedding",
+    "DistributedEmbeddingBag",
     "DistributedShardedVariable",
+    "distributed_store",
     "load",
     "round_robin",
     "save",

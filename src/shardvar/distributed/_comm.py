@@ -1,12 +1,15 @@
-"""The collectives shardvar uses, over torch.distributed, counted and with clear errors.
+"""The collectives shardvar uses, over the caller's process group, counted and with clear errors.
 
-Each distributed variable gets its own process group created with a timeout (default 60 s), so
-a rank that dies or hangs makes the others raise ShardvarDistributedError instead of waiting
-forever. Every collective is counted, and the bytes each all_to_all sends to other ranks too.
+Every distributed variable uses the caller's group (the default one unless given): no group is
+created per variable, so a thousand tables on NCCL cost nothing extra. Each collective is issued
+asynchronously and waited on with the variable's timeout (default 60 s), so a rank that dies or
+hangs makes the others raise ShardvarDistributedError instead of waiting forever. A Comm counts
+its collectives, and the bytes each all_to_all sends to other ranks.
 """
 
 from __future__ import annotations
 
+import pickle
 from collections import Counter
 from datetime import timedelta
 from typing import Any
@@ -15,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .._errors import ShardvarDistributedError
+from .._validate import check_number
 
 __all__ = ["Comm", "DEFAULT_TIMEOUT"]
 
@@ -22,7 +26,7 @@ DEFAULT_TIMEOUT = 60.0
 
 
 class Comm:
-    """A process group with shardvar's timeout, collective counters and error translation."""
+    """One user's view of a process group: shardvar's timeout, counters and error translation."""
 
     def __init__(self, group: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
         if not dist.is_available() or not dist.is_initialized():
@@ -30,13 +34,11 @@ class Comm:
                 "torch.distributed is not initialised: call torch.distributed.init_process_group (torchrun sets "
                 "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT) before creating distributed variables"
             )
-        ranks = None if group is None else dist.get_process_group_ranks(group)
-        # Our own group: its timeout bounds every collective of this variable.
-        self.group = dist.new_group(ranks=ranks, timeout=timedelta(seconds=timeout))
-        self.timeout = timeout
-        self.rank = dist.get_rank(self.group)
-        self.world = dist.get_world_size(self.group)
-        self.backend = dist.get_backend(self.group)
+        self.group = group
+        self.timeout = check_number(timeout, "timeout", positive=True)
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.backend = dist.get_backend(group)
         self.calls: Counter[str] = Counter()
         self.bytes_sent = 0  # to other ranks, by all_to_all
 
@@ -53,29 +55,42 @@ class Comm:
             "the same collectives"
         )
 
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout))
+        except Exception as e:  # gloo/NCCL raise RuntimeError subclasses of several kinds
+            raise self._fail(what, e) from None
+
+    def _run(self, collective: Any, what: str, *args: Any, **kwargs: Any) -> None:
+        try:
+            work = collective(*args, group=self.group, async_op=True, **kwargs)
+        except Exception as e:
+            raise self._fail(what, e) from None
+        self._wait(work, what)
+
     def all_to_all(
         self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], what: str
     ) -> None:
         self.calls["all_to_all"] += 1
         row = inp[0].numel() * inp.element_size() if inp.dim() and inp.shape[0] else 0
         self.bytes_sent += row * (sum(in_splits) - in_splits[self.rank])
-        try:
-            dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
-        except Exception as e:  # gloo/NCCL raise RuntimeError subclasses of several kinds
-            raise self._fail(f"all_to_all of {what}", e) from None
+        self._run(dist.all_to_all_single, f"all_to_all of {what}", out, inp, out_splits, in_splits)
 
     def all_gather_object(self, obj: Any, what: str) -> list[Any]:
+        """Everyone's ``obj`` in rank order: pickled bytes in two all_gathers (sizes, then bytes)."""
         self.calls["all_gather_object"] += 1
-        out: list[Any] = [None] * self.world
-        try:
-            dist.all_gather_object(out, obj, group=self.group)
-        except Exception as e:
-            raise self._fail(f"all_gather of {what}", e) from None
-        return out
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
+        sizes = [torch.empty_like(size) for _ in range(self.world)]
+        self._run(dist.all_gather, f"all_gather of {what} (sizes)", sizes, size)
+        longest = max(int(s) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8, device=self.device)
+        padded[: data.numel()] = data
+        gathered = [torch.empty_like(padded) for _ in range(self.world)]
+        self._run(dist.all_gather, f"all_gather of {what}", gathered, padded)
+        return [pickle.loads(g[: int(s)].cpu().numpy().tobytes()) for g, s in zip(gathered, sizes, strict=True)]
 
     def barrier(self, what: str) -> None:
         self.calls["barrier"] += 1
-        try:
-            dist.barrier(group=self.group)
-        except Exception as e:
-            raise self._fail(f"barrier ({what})", e) from None
+        flag = torch.zeros(1, device=self.device)
+        self._run(dist.all_reduce, f"barrier ({what})", flag)

@@ -1,4 +1,4 @@
-"""DistributedEmbedding: an embedding table whose shards live on the ranks of a process group."""
+"""DistributedEmbedding(Bag): the sharded modules over a store whose shards live on several ranks."""
 
 from __future__ import annotations
 
@@ -8,19 +8,63 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..nn import ShardedEmbedding, ShardedEmbeddingBag
 from ..variables import RowInitializer
 from ._comm import DEFAULT_TIMEOUT
-from ._variable import DistributedShardedVariable
+from ._variable import DistributedShardedVariable, distributed_store
 
-__all__ = ["DistributedEmbedding"]
+__all__ = ["DistributedEmbedding", "DistributedEmbeddingBag"]
 
 
-class DistributedEmbedding(nn.Module):
+class _Distributed:
+    """What both distributed modules add: shards named by global index, the distributed variable."""
+
+    def _register_shards(self, shards: dict[int, torch.Tensor]) -> nn.Module:
+        return nn.ParameterDict({str(s): p for s, p in shards.items()})
+
+    def _shard_params(self) -> dict[int, torch.Tensor]:
+        return {int(k): p for k, p in self.shards.items()}
+
+    @property
+    def variable(self) -> DistributedShardedVariable:
+        """The table as a DistributedShardedVariable (collective lookups, this rank's shards)."""
+        return DistributedShardedVariable.from_store(self.store, name="weight")
+
+    weight = variable
+
+    def distributed_variables(self) -> dict[str, DistributedShardedVariable]:
+        return {"weight": self.variable}
+
+    def sharded_variables(self) -> dict[str, DistributedShardedVariable]:
+        return {"weight": self.variable}
+
+    def _zero_padding_row(self) -> None:
+        if self.padding_idx is None:
+            return
+        shard, row = self.layout.locate([self.padding_idx])
+        local = self.store.local_shards()
+        if int(shard) in local:
+            with torch.no_grad():
+                local[int(shard)][int(row)].zero_()
+
+    def extra_repr(self) -> str:
+        comm = self.store.exchange.comm
+        return super().extra_repr() + f", rank={comm.rank}/{comm.world}, owned={sorted(self.store.local_shards())}"
+
+
+def _store(num_embeddings: int, embedding_dim: int, partitioner: Any, partition_strategy: str, **kwargs: Any):
+    return distributed_store(
+        (num_embeddings, embedding_dim), partitioner, partition_strategy=partition_strategy, **kwargs
+    )
+
+
+class DistributedEmbedding(_Distributed, ShardedEmbedding):
     """``nn.Embedding`` with rows sharded over ranks; each rank holds and trains only its shards.
 
     Every rank constructs it with the same arguments and calls ``forward`` (and backward) on its
     own ids. Parameters are this rank's shards, ``shards.<index>``; keep them out of
     DistributedDataParallel (they are not replicated), e.g. by wrapping only the dense layers.
+    Every option of ``ShardedEmbedding`` works (padding_idx, max_norm, scale_grad_by_freq, sparse).
     """
 
     def __init__(
@@ -35,13 +79,13 @@ class DistributedEmbedding(nn.Module):
         group: Any = None,
         timeout: float = DEFAULT_TIMEOUT,
         dtype: torch.dtype = torch.float32,
+        **options: Any,
     ) -> None:
-        super().__init__()
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.variable = DistributedShardedVariable(
-            (num_embeddings, embedding_dim),
+        store = _store(
+            num_embeddings,
+            embedding_dim,
             partitioner,
-            partition_strategy=partition_strategy,
+            partition_strategy,
             dtype=dtype,
             initializer=initializer,
             placement=placement,
@@ -49,17 +93,38 @@ class DistributedEmbedding(nn.Module):
             timeout=timeout,
             name="weight",
         )
-        self.layout = self.variable.layout
-        self.shards = nn.ParameterDict({str(s): p for s, p in self.variable.local_shards().items()})
+        super().__init__(num_embeddings, embedding_dim, _store=store, **options)
+        self._zero_padding_row()
 
-    def distributed_variables(self) -> dict[str, DistributedShardedVariable]:
-        """The module's distributed parameters by local name (checkpoints store each as one variable)."""
-        return {"weight": self.variable}
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return self.variable.lookup(input)
+class DistributedEmbeddingBag(_Distributed, ShardedEmbeddingBag):
+    """``nn.EmbeddingBag`` (sum, mean, max; offsets, per_sample_weights, padding_idx) sharded over ranks."""
 
-    def extra_repr(self) -> str:
-        v = self.variable
-        where = f"rank={v.comm.rank}/{v.comm.world}, owned={v.owned}"
-        return f"{self.num_embeddings}, {self.embedding_dim}, layout={self.layout}, {where}"
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        partitioner: Any = None,
+        partition_strategy: str = "div",
+        *,
+        initializer: RowInitializer | None = None,
+        placement: Sequence[int] | None = None,
+        group: Any = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        dtype: torch.dtype = torch.float32,
+        **options: Any,
+    ) -> None:
+        store = _store(
+            num_embeddings,
+            embedding_dim,
+            partitioner,
+            partition_strategy,
+            dtype=dtype,
+            initializer=initializer,
+            placement=placement,
+            group=group,
+            timeout=timeout,
+            name="weight",
+        )
+        super().__init__(num_embeddings, embedding_dim, _store=store, **options)
+        self._zero_padding_row()

@@ -39,8 +39,9 @@ def check_ids(ids: torch.Tensor, num_rows: int) -> None:
     """Raise ShardvarIndexError naming the first id outside [0, num_rows) and where it sits."""
     if ids.numel() == 0:
         return
-    bad = (ids < 0) | (ids >= num_rows)
-    if bool(bad.any()):
+    low, high = torch.aminmax(ids)  # one pass, no temporaries: this runs on every lookup
+    if int(low) < 0 or int(high) >= num_rows:
+        bad = (ids < 0) | (ids >= num_rows)
         flat = int(torch.nonzero(bad.reshape(-1))[0])
         value = int(ids.reshape(-1)[flat])
         if ids.dim() > 1:

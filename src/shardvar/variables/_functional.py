@@ -22,10 +22,19 @@ import torch.nn.functional as F
 from .._errors import ShardvarValueError
 from .._validate import check_choice, check_int, check_number
 from ..layout import as_ids, check_ids
-from ._autograd import GatherRows, SlabView
+from ._autograd import GatherRows, SlabView, gather_local, scatter_grads
 from ._store import ShardStore
 
-__all__ = ["embedding", "embedding_bag", "gather", "check_padding_idx", "BAG_MODES"]
+__all__ = [
+    "BAG_MODES",
+    "check_padding_idx",
+    "embedding",
+    "embedding_bag",
+    "gather",
+    "gather_local",
+    "renorm",
+    "scatter_grads",
+]
 
 BAG_MODES = ("sum", "mean", "max")
 
@@ -48,6 +57,12 @@ def check_padding_idx(padding_idx: Any, num_rows: int) -> int | None:
     return p % num_rows
 
 
+def _exchange(store: ShardStore) -> Any:
+    """The store's exchange when rows live on other ranks (a one-process group needs none)."""
+    ex = store.exchange
+    return ex if ex is not None and ex.world > 1 else None
+
+
 def _slab_weight(store: ShardStore) -> torch.Tensor:
     shards = list(store.local_shards().values())
     if len(shards) == 1 and shards[0].is_contiguous():
@@ -66,7 +81,8 @@ def _source(
     by_rows: bool = False,
 ) -> _Source:
     """Where the op reads: the full slab, or the fetched rows of the distinct ids (``by_rows``)."""
-    if store.exchange is None and store.full_slab is not None and not by_rows:
+    exchange = _exchange(store)
+    if exchange is None and store.full_slab is not None and not by_rows:
         rows = store.layout.strategy.storage_rows(store.layout.sizes, ids)
         pad = None
         if padding_idx is not None:
@@ -80,8 +96,8 @@ def _source(
         pad = unique.numel()
         request = torch.cat([unique, unique.new_tensor([padding_idx])])
         inverse = torch.where(ids == padding_idx, pad, inverse)
-    if store.exchange is not None:
-        rows = store.exchange.rows(store, request, sparse=sparse, max_norm=max_norm, norm_type=norm_type)
+    if exchange is not None:
+        rows = exchange.rows(store, request, sparse=sparse, max_norm=max_norm, norm_type=norm_type)
     else:
         if max_norm is not None:
             renorm(store, unique, max_norm, norm_type)
@@ -103,7 +119,7 @@ def renorm(store: ShardStore, ids: torch.Tensor, max_norm: float, norm_type: flo
 def _ids(store: ShardStore, ids: Any) -> torch.Tensor:
     device = store.groups[0].device if store.groups else None
     t = as_ids(ids, device=None if isinstance(ids, torch.Tensor) else device)
-    if store.exchange is None:
+    if _exchange(store) is None:
         check_ids(t, store.layout.num_rows)  # a distributed lookup agrees on bad ids across ranks
     return t
 

@@ -1,0 +1,118 @@
+"""Rows owned by other ranks: the store's ``exchange`` for a distributed variable.
+
+A lookup asks for the rows of distinct ids. Each id goes to the rank that owns its shard with
+one all_to_all (split sizes first, each rank's verdict on its ids riding along, so a bad id on
+any rank stops every rank before anything else), the owners gather their rows from their local
+store and send them back. Backward sends each requested row's gradient to its owner, which turns
+it into its shards' gradients (dense, or sparse COO) exactly as a local lookup does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._errors import ShardvarIndexError
+from ..variables import ShardStore, functional
+from ._comm import Comm
+
+__all__ = ["Exchange"]
+
+
+class Exchange:
+    """Fetches rows of a store's variable from the ranks that own them (shard s on ``placement[s]``)."""
+
+    def __init__(self, comm: Comm, placement: tuple[int, ...], requires_grad: bool) -> None:
+        self.comm = comm
+        self.placement = placement
+        self.owner = torch.tensor(placement, dtype=torch.int64, device=comm.device)
+        # Every rank must take part in the backward all_to_all, also one that owns no shard (or
+        # whose shards are frozen): this empty tensor puts the lookup in every rank's graph.
+        self.anchor = torch.zeros(0, device=comm.device, requires_grad=requires_grad)
+
+    @property
+    def world(self) -> int:
+        return self.comm.world
+
+    def rows(
+        self, store: ShardStore, ids: torch.Tensor, *, sparse: bool, max_norm: float | None, norm_type: float
+    ) -> torch.Tensor:
+        """Rows ``ids`` (1-D, any order, duplicates allowed) as ``[len(ids), width]``. Collective."""
+        options = (sparse, max_norm, norm_type)
+        shards = store.local_shards().values()
+        return _ExchangeRows.apply(self, store, ids.to(self.comm.device), options, self.anchor, *shards)[0]
+
+
+def _verdict(ids: torch.Tensor, num_rows: int) -> int | None:
+    if ids.numel() == 0:
+        return None
+    low, high = torch.aminmax(ids)
+    if int(low) >= 0 and int(high) < num_rows:
+        return None
+    return int(ids[(ids < 0) | (ids >= num_rows)][0])
+
+
+def _send_ids(ex: Exchange, store: ShardStore, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list, list]:
+    """All_to_all the ids to their owners: (order sent, ids received, counts sent, counts received)."""
+    comm, layout, world = ex.comm, store.layout, ex.comm.world
+    first_bad = _verdict(ids, layout.num_rows)
+    shard = layout.strategy.locate(layout.sizes, ids.clamp(0, max(layout.num_rows - 1, 0)))[0]
+    owner = ex.owner[shard]
+    order = torch.argsort(owner, stable=True)
+    send_counts = torch.bincount(owner, minlength=world)
+    verdict = torch.full((world,), 0 if first_bad is None else 1, dtype=torch.int64, device=ids.device)
+    header = torch.stack([send_counts, verdict], dim=1).reshape(-1)
+    received = torch.empty_like(header)
+    comm.all_to_all(received, header, [2] * world, [2] * world, "split sizes")
+    received = received.reshape(world, 2)
+    if bool(received[:, 1].any()):
+        culprits = torch.nonzero(received[:, 1]).squeeze(1).tolist()
+        detail = f"; this rank's first bad id is {first_bad}" if first_bad is not None else ""
+        raise ShardvarIndexError(
+            f"lookup ids must be in [0, {layout.num_rows}); rank(s) {culprits} passed ids outside it{detail}"
+        )
+    send_list, recv_list = send_counts.tolist(), received[:, 0].tolist()
+    recv_ids = torch.empty(sum(recv_list), dtype=torch.int64, device=ids.device)
+    comm.all_to_all(recv_ids, ids.index_select(0, order), recv_list, send_list, "ids")
+    return order, recv_ids, send_list, recv_list
+
+
+class _ExchangeRows(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ex: Exchange, store: ShardStore, ids: torch.Tensor, options: tuple, anchor: torch.Tensor, *shards: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        sparse, max_norm, norm_type = options
+        order, recv_ids, send_list, recv_list = _send_ids(ex, store, ids)
+        if max_norm is not None and recv_ids.numel():
+            functional.renorm(store, torch.unique(recv_ids), max_norm, norm_type)
+        local = functional.gather_local(store, recv_ids, ids.device) if recv_ids.numel() else None
+        width = store.width
+        if local is None:
+            local = torch.empty(0, width, dtype=store.dtype, device=ids.device)
+        back = torch.empty(sum(send_list), width, dtype=store.dtype, device=ids.device)
+        ex.comm.all_to_all(back, local.contiguous(), send_list, recv_list, "rows")
+        rows = torch.empty_like(back).index_copy_(0, order, back)
+        return rows, order, recv_ids, torch.tensor(send_list), torch.tensor(recv_list)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        ex, store, _, options = inputs[:4]
+        _, order, recv_ids, send_list, recv_list = output
+        ctx.save_for_backward(order, recv_ids)
+        ctx.ex, ctx.store, ctx.sparse = ex, store, options[0]
+        ctx.counts = (send_list.tolist(), recv_list.tolist())
+        ctx.mark_non_differentiable(order, recv_ids, send_list, recv_list)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple:
+        order, recv_ids = ctx.saved_tensors
+        send_list, recv_list = ctx.counts
+        ex, store = ctx.ex, ctx.store
+        received = torch.empty(sum(recv_list), grad.shape[1], dtype=grad.dtype, device=grad.device)
+        ex.comm.all_to_all(received, grad.index_select(0, order).contiguous(), recv_list, send_list, "gradients")
+        grads = functional.scatter_grads(store, recv_ids, received, ctx.sparse) if store.local_shards() else {}
+        shards = tuple(grads.get(s) for s in store.local_shards())
+        return (None, None, None, None, torch.zeros_like(ex.anchor), *shards)
