@@ -79,7 +79,7 @@ def check_number(
     """A finite real number (optionally > 0 or >= minimum); None passes when ``allow_none``."""
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+    if isinstance(value, bool) or (not isinstance(value, (int, float)) and not hasattr(value, "__float__")):
         raise ShardvarTypeError(f"{name} must be a number; got {value!r:.80}")
     try:
         number = float(value)  # type: ignore[arg-type]

@@ -83,7 +83,7 @@ class _ExchangeRows(torch.autograd.Function):
     def forward(
         ex: Exchange, store: ShardStore, ids: torch.Tensor, options: tuple, anchor: torch.Tensor, *shards: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        sparse, max_norm, norm_type = options
+        _, max_norm, norm_type = options
         order, recv_ids, send_list, recv_list = _send_ids(ex, store, ids)
         if max_norm is not None and recv_ids.numel():
             functional.renorm(store, torch.unique(recv_ids), max_norm, norm_type)

@@ -59,8 +59,10 @@ class _ShardedTable(nn.Module):
         self.num_embeddings = check_int(num_embeddings, "num_embeddings", minimum=0)
         self.embedding_dim = check_int(embedding_dim, "embedding_dim", minimum=0)
         shape = (self.num_embeddings, self.embedding_dim)
-        self.layout: Layout = _store.layout if _store is not None else to_layout(
-            partitioner, shape, dtype or torch.float32, partition_strategy
+        self.layout: Layout = (
+            _store.layout
+            if _store is not None
+            else to_layout(partitioner, shape, dtype or torch.float32, partition_strategy)
         )
         if self.layout.axis != 0:
             raise ShardvarValueError(f"an embedding table is split by rows (axis 0); got {self.layout}")

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .._errors import ShardvarError, ShardvarTypeError, ShardvarValueError
-from ..layout import Layout, get_strategy
+from ..layout import Layout
 
 __all__ = ["PartitionError", "partitioned_call", "StatefulPartitionedCall"]
 
@@ -44,13 +44,9 @@ def _split(inputs: Any, axis: int | None, partitions: int, strategy: str) -> tup
         raise ShardvarValueError(
             f"every input must have the same size along axis {axis}; got shapes {[list(t.shape) for t in tensors]}"
         )
-    rows = sizes.pop()
-    layout = Layout(strategy, get_strategy(strategy).sizes(rows, partitions), axis)
-    parts = []
-    for s in range(partitions):
-        start, step, count = layout.shard_progression(s)
-        parts.append(tuple(t[(slice(None),) * axis + (slice(start, start + step * count, step),)] for t in tensors))
-    return parts, [layout]
+    layout = Layout.balanced(strategy, sizes.pop(), partitions, axis)
+    split = [layout.split(t) for t in tensors]
+    return [tuple(pieces[s] for pieces in split) for s in range(partitions)], [layout]
 
 
 def _check_tout(outputs: list[tuple], tout: Sequence[torch.dtype] | None) -> None:
@@ -78,12 +74,7 @@ def _aggregate(outputs: list[tuple], how: Aggregate, layouts: list[Layout], devi
         elif how == "mean":
             results.append(torch.stack(column).mean(0))
         elif how == "concat":
-            axis = layouts[0].axis if layouts else 0
-            whole = torch.cat(column, dim=axis)
-            if layouts and not get_strategy(layouts[0].strategy).contiguous:
-                stored = torch.cat([layouts[0].shard_ids(s, device) for s in range(layouts[0].num_shards)])
-                whole = whole.index_select(axis, torch.argsort(stored))
-            results.append(whole)
+            results.append(layouts[0].join(column) if layouts else torch.cat(column))
         else:
             raise ShardvarValueError(f"aggregate must be 'concat', 'sum', 'mean', 'list' or a callable; got {how!r}")
     return results[0] if len(results) == 1 else tuple(results)

@@ -18,9 +18,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .._errors import ShardvarError, ShardvarValueError
-from ..layout import Layout, get_strategy
+from ..layout import Layout
 from ..nn import ShardedEmbedding, ShardedEmbeddingBag
-from ..variables import ShardedVariable
 from ._spec import PartitionSpec, as_spec
 
 __all__ = ["partition_model", "ModelPartition", "PartitionedParameter", "ShardsParametrization"]
@@ -34,17 +33,10 @@ class ShardsParametrization(nn.Module):
         self.layout = layout
 
     def forward(self, *shards: torch.Tensor) -> torch.Tensor:
-        return ShardedVariable(list(shards), strategy=self.layout.strategy, axis=self.layout.axis).to_tensor()
+        return self.layout.join(shards)
 
     def right_inverse(self, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        layout = self.layout
-        if get_strategy(layout.strategy).contiguous:
-            return tuple(
-                value.narrow(layout.axis, layout.offsets[s], layout.sizes[s]).clone() for s in range(layout.num_shards)
-            )
-        return tuple(
-            value.index_select(layout.axis, layout.shard_ids(s, value.device)) for s in range(layout.num_shards)
-        )
+        return tuple(part.clone() for part in self.layout.split(value))
 
     def extra_repr(self) -> str:
         return f"layout={self.layout}"
@@ -99,11 +91,7 @@ def _split_state(value: Any, param: torch.Tensor, layout: Layout, s: int, shard:
         return value
     if value.shape != param.shape:
         return value.clone()  # step counts and other per-parameter scalars
-    if get_strategy(layout.strategy).contiguous:
-        part = value.narrow(layout.axis, layout.offsets[s], layout.sizes[s])
-    else:
-        part = value.index_select(layout.axis, layout.shard_ids(s, value.device))
-    return part.to(shard.device).clone()
+    return layout.split(value)[s].to(shard.device).clone()
 
 
 def _matches(strategy: Mapping[str, Any], names: list[str]) -> tuple[dict[str, PartitionSpec], list[str]]:

@@ -40,7 +40,7 @@ class PartitionSpec:
     def to_json_obj(self) -> dict[str, Any]:
         p = self.partitioner
         if isinstance(p, Layout):
-            body: dict[str, Any] = {"layout": {"strategy": p.strategy, "sizes": list(p.sizes), "axis": p.axis}}
+            body: dict[str, Any] = {"layout": p.to_json()}
         elif isinstance(p, PartitionerConfig):
             body = {"partition_list": p.partition_list}
         elif isinstance(p, Partitioner) and type(p).__name__ in _PARTITIONERS:
@@ -57,8 +57,8 @@ class PartitionSpec:
     def from_json_obj(cls, obj: Mapping[str, Any]) -> PartitionSpec:
         strategy = obj.get("strategy", "div")
         if "layout" in obj:
-            lay = obj["layout"]
-            return cls(Layout(lay["strategy"], tuple(lay["sizes"]), lay["axis"]), lay["strategy"])
+            layout = Layout.from_json(obj["layout"])
+            return cls(layout, layout.strategy)
         if "partition_list" in obj:
             return cls(PartitionerConfig(obj["partition_list"]), strategy)
         if "partitioner" in obj:

@@ -62,9 +62,7 @@ def shard_tensor(
     if not isinstance(tensor, torch.Tensor):
         raise ShardvarTypeError(f"shard_tensor needs a tensor; got {type(tensor).__name__}")
     if not isinstance(layout, Layout):
-        raise ShardvarTypeError(
-            f"shard_tensor needs a Layout (e.g. Layout.div(rows, n)); got {layout!r:.60}"
-        )
+        raise ShardvarTypeError(f"shard_tensor needs a Layout (e.g. Layout.div(rows, n)); got {layout!r:.60}")
     layout.check_shape(tensor.shape)
     store = ShardStore.allocate(
         layout, tensor.shape, tensor.dtype, devices=devices, values=tensor.detach(), requires_grad=requires_grad

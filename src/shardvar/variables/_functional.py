@@ -183,8 +183,7 @@ def _check_bag(ids: torch.Tensor, offsets: torch.Tensor | None, include_last_off
         )
     if include_last_offset and int(offsets[-1]) != ids.numel():
         raise ShardvarValueError(
-            f"with include_last_offset=True the last offset must equal len(input)={ids.numel()}; "
-            f"got {int(offsets[-1])}"
+            f"with include_last_offset=True the last offset must equal len(input)={ids.numel()}; got {int(offsets[-1])}"
         )
     return offsets
 

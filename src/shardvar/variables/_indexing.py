@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._errors import ShardvarIndexError, ShardvarTypeError, ShardvarValueError
+from .._errors import ShardvarIndexError, ShardvarTypeError
 from ..layout import Layout, last_occurrence
 from ._functional import gather
 from ._store import ShardStore

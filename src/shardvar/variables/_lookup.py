@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-
 import torch.nn.functional as F
 
 from .._errors import ShardvarTypeError, ShardvarValueError
@@ -105,7 +104,7 @@ def _sparse_parts(sp: Any, what: str, flatten: bool = False) -> tuple[torch.Tens
 def _same_indices(sp_ids: torch.Tensor, sp_weights: Any) -> torch.Tensor | None:
     if sp_weights is None:
         return None
-    w_bag, weights, w_batch = _sparse_parts(sp_weights, "sp_weights", flatten=True)
+    _, weights, _ = _sparse_parts(sp_weights, "sp_weights", flatten=True)
     ids_idx = sp_ids.indices() if sp_ids.is_coalesced() else sp_ids._indices()
     w_idx = sp_weights.indices() if sp_weights.is_coalesced() else sp_weights._indices()
     if w_idx.shape != ids_idx.shape or not torch.equal(w_idx, ids_idx.to(w_idx.device)):

@@ -25,6 +25,7 @@ from ..layout import Layout
 
 __all__ = ["Group", "ShardStore", "rows_2d"]
 
+
 def _use_count(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
@@ -277,7 +278,9 @@ class ShardStore:
         counts = torch.bincount(member, minlength=len(group.members)).tolist()
         out = {}
         for k, (s, pos) in enumerate(zip(group.members, order.split(counts), strict=True)):
-            out[s] = _sparse(rows.index_select(0, pos) - group.starts[k], values.index_select(0, pos), self.layout.sizes[s])
+            out[s] = _sparse(
+                rows.index_select(0, pos) - group.starts[k], values.index_select(0, pos), self.layout.sizes[s]
+            )
         return out
 
     def zero_grads(self, sparse: bool) -> dict[int, torch.Tensor]:

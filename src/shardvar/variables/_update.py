@@ -27,7 +27,9 @@ def check_writable(shards: list[torch.Tensor]) -> None:
         if t.is_inference() and not torch.is_inference_mode_enabled():
             raise ShardvarTypeError(f"shard {s} is an inference tensor; it can only be written inside inference_mode")
         if torch._debug_has_internal_overlap(t) == 1:
-            raise ShardvarValueError(f"shard {s} has elements sharing memory (an expanded tensor); it cannot be written")
+            raise ShardvarValueError(
+                f"shard {s} has elements sharing memory (an expanded tensor); it cannot be written"
+            )
 
 
 _ASSIGN = {
@@ -101,7 +103,11 @@ def scatter(store: ShardStore, op: str, indices: Any, updates: Any) -> None:
     check_ids(ids, store.layout.num_rows)
     row_shape = store.row_shape
     updates = coerce(updates, store.dtype, (*ids.shape, *row_shape), "updates")
-    if op == "scatter_div" and not (store.dtype.is_floating_point or store.dtype.is_complex) and bool((updates == 0).any()):
+    if (
+        op == "scatter_div"
+        and not (store.dtype.is_floating_point or store.dtype.is_complex)
+        and bool((updates == 0).any())
+    ):
         raise ShardvarValueError(f"scatter_div of a {store.dtype} variable by zero; got a zero in updates")
     ids, updates = ids.reshape(-1), updates.reshape(-1, *row_shape)
     if op == "scatter_update":

@@ -72,7 +72,9 @@ def coerce(
     t = as_value(value)
     explicit = isinstance(value, torch.Tensor) or isinstance(getattr(value, "store", None), ShardStore)
     if not torch.can_cast(t.dtype, dtype) and (explicit or dtype != torch.bool):
-        raise ShardvarTypeError(f"{what} of dtype {t.dtype} cannot be cast to the variable's dtype {dtype} (a lossy cast)")
+        raise ShardvarTypeError(
+            f"{what} of dtype {t.dtype} cannot be cast to the variable's dtype {dtype} (a lossy cast)"
+        )
     _check_range(t, dtype)
     try:
         return t.to(dtype).broadcast_to(shape)

@@ -1,0 +1,72 @@
+"""The import graph of the package has no cycles, module by module."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import shardvar
+
+PACKAGE = Path(shardvar.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _resolve(path: Path, node: ast.ImportFrom) -> list[str]:
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    base = package.split(".")
+    if node.level > 1:
+        base = base[: len(base) - node.level + 1]
+    prefix = ".".join(base + ([node.module] if node.module else []))
+    # `from . import _x` imports a module; `from .m import name` imports m.
+    return [f"{prefix}.{a.name}" for a in node.names] if not node.module else [prefix]
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.level:
+                targets = _resolve(path, node)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("shardvar"):
+                targets = [node.module]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names if a.name.startswith("shardvar")]
+            graph[name] |= {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    found, state, stack = [], {}, []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                found.append([*stack[stack.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return found
+
+
+def test_no_import_cycles() -> None:
+    graph = _graph()
+    assert len(graph) > 30  # the walk found the package
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
