@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -143,7 +144,12 @@ def main() -> None:
     worker, kwargs, out_dir = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    result = globals()[worker](rank, world, **kwargs)
+    if ":" in worker:  # "module:function": a worker kept in another test module
+        module, name = worker.split(":")
+        func = getattr(importlib.import_module(module), name)
+    else:
+        func = globals()[worker]
+    result = func(rank, world, **kwargs)
     torch.save(result, out_dir / f"rank{rank}.pt")
     if not (result or {}).get("error"):
         dist.destroy_process_group()

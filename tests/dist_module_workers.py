@@ -1,0 +1,64 @@
+"""Workers for tests/test_distributed_modules.py: every option of the modules, distributed."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dist_workers import DIM, ROWS
+from shardvar.distributed import DistributedEmbedding, DistributedEmbeddingBag
+from shardvar.variables import RowInitializer
+
+CASES = {
+    "padding": ("embedding", {"padding_idx": 3}),
+    "max_norm": ("embedding", {"max_norm": 1.5}),
+    "sparse": ("embedding", {"sparse": True}),
+    "freq": ("embedding", {"scale_grad_by_freq": True}),
+    "bag_sum_weights": ("bag", {"mode": "sum"}),
+    "bag_mean_padding": ("bag", {"mode": "mean", "padding_idx": 0}),
+    "bag_max_sparse": ("bag", {"mode": "max", "sparse": True}),
+}
+
+
+def batch(case: str, rank: int, step: int) -> tuple[dict, torch.Tensor]:
+    g = torch.Generator().manual_seed(step * 100 + rank)
+    ids = torch.randint(0, ROWS, (12,), generator=g)
+    ids[:3] = torch.tensor([0, 3, 3])  # padding ids and duplicates on every rank
+    kind = CASES[case][0]
+    if kind == "embedding":
+        return {"input": ids.reshape(4, 3)}, torch.randn(4, generator=g)
+    inputs = {"input": ids, "offsets": torch.tensor([0, 2, 2, 7])}  # an empty bag too
+    if case == "bag_sum_weights":
+        inputs["per_sample_weights"] = torch.rand(12, generator=g)
+    return inputs, torch.randn(4, generator=g)
+
+
+def pooled(out: torch.Tensor, kind: str) -> torch.Tensor:
+    return out.mean(1) if kind == "embedding" else out
+
+
+def module_train(rank: int, world: int, case: str, shards: int, strategy: str, steps: int) -> dict:
+    kind, options = CASES[case]
+    cls = DistributedEmbedding if kind == "embedding" else DistributedEmbeddingBag
+    torch.manual_seed(0)
+    head = nn.Linear(DIM, 1)
+    emb = cls(ROWS, DIM, shards, strategy, initializer=RowInitializer(4), **options)
+    dense = nn.parallel.DistributedDataParallel(head)
+    opt = torch.optim.SGD([*emb.parameters(), *dense.parameters()], lr=0.1)
+    outs, calls = [], []
+    for step in range(steps):
+        inputs, target = batch(case, rank, step)
+        before = dict(emb.variable.comm.calls)
+        out = emb(**inputs)
+        outs.append(out.detach().clone())
+        loss = (dense(pooled(out, kind)).squeeze(1) - target).pow(2).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        calls.append({k: n - before.get(k, 0) for k, n in emb.variable.comm.calls.items() if n - before.get(k, 0)})
+    return {
+        "outs": outs,
+        "shards": {s: p.detach().clone() for s, p in emb.variable.local_shards().items()},
+        "sparse_grads": all(p.grad is None or p.grad.is_sparse for p in emb.parameters()),
+        "calls": calls,
+    }
