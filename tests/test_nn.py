@@ -93,6 +93,9 @@ def test_embedding_bag_per_sample_weights() -> None:
 
 def test_modules_work_with_state_dict_and_optimizers() -> None:
     emb = shardvar.ShardedEmbedding(10, 2, partitioner=shardvar.FixedShardsPartitioner(3))
+    # Issue 12: the logical key by default, as nn.Embedding; the per-shard form on request.
+    assert list(emb.state_dict()) == ["weight"]
+    emb.set_state_dict_form("sharded")
     assert list(emb.state_dict()) == ["shards.0", "shards.1", "shards.2"]
     clone = shardvar.ShardedEmbedding(10, 2, partitioner=3)
     clone.load_state_dict(emb.state_dict())

@@ -66,8 +66,8 @@ def _add_module(state: State, key: str, module: nn.Module) -> None:
             for s, shard in variable.shards.items():
                 state.shard_of[id(shard)] = (name, s, variable)
     for name, tensor in module.state_dict(keep_vars=True).items():
-        if id(tensor) in state.shard_of:
-            continue
+        if id(tensor) in state.shard_of or f"{key}/{name}" in state.variables:
+            continue  # a sharded variable's shards, or its logical form (saved once, as a sharded variable)
         state.variables[f"{key}/{name}"] = tensor
         state.param_name[id(tensor)] = f"{key}/{name}"
 

@@ -82,6 +82,17 @@ class _ShardedTable(nn.Module):
             p.requires_grad_(not check_bool(_freeze, "freeze"))
         self._store = _store
         self.shards = self._register_shards(_store.local_shards())
+        self._register_state_dict_hook(_logical_state_dict)
+        self._register_load_state_dict_pre_hook(_load_logical_weight, with_module=True)
+
+    # "logical": state_dict() holds ``weight``, the whole table, as nn.Embedding's does; "sharded":
+    # one entry per shard (``shards.<i>``), for tables too large to materialise. load_state_dict
+    # accepts either form whatever this is set to.
+    state_dict_form: str = "logical"
+
+    def set_state_dict_form(self, form: str) -> None:
+        """``"logical"`` (default: key ``weight``, as nn.Embedding) or ``"sharded"`` (keys ``shards.<i>``)."""
+        self.state_dict_form = check_choice(form, "form", ("logical", "sharded"))
 
     def _register_shards(self, shards: dict[int, torch.Tensor]) -> nn.Module:
         return nn.ParameterList(shards.values())
@@ -137,6 +148,47 @@ class _ShardedTable(nn.Module):
             got = list(embeddings.shape) if isinstance(embeddings, torch.Tensor) else type(embeddings).__name__
             raise ShardvarValueError(f"embeddings must be a 2-D tensor; got {got}")
         return cls(*embeddings.shape, _weight=embeddings, _freeze=freeze, **kwargs)
+
+
+def _logical_state_dict(module: _ShardedTable, state: dict, prefix: str, local_metadata: dict) -> None:
+    store = module.store
+    if module.state_dict_form != "logical" or not store.is_complete:
+        return  # a distributed table is saved shard by shard (the whole table is on no rank)
+    for key in [k for k in state if k.startswith(prefix + "shards.")]:
+        del state[key]
+    state[prefix + "weight"] = module.weight.logical(copy=False).detach()
+
+
+def _load_logical_weight(
+    module: _ShardedTable,
+    state: dict,
+    prefix: str,
+    local_metadata: dict,
+    strict: bool,
+    missing_keys: list,
+    unexpected_keys: list,
+    error_msgs: list,
+) -> None:
+    """Load ``weight`` (the whole table) by splitting it into the ``shards.<i>`` entries the shards load."""
+    store = module.store
+    shard_keys = {s: f"{prefix}shards.{s}" for s in module._shard_params()}
+    weight = state.pop(prefix + "weight", None)
+    if weight is None:
+        if not any(k in state for k in shard_keys.values()):
+            missing_keys.append(prefix + "weight")
+            state.update({k: module._shard_params()[s] for s, k in shard_keys.items()})  # loads as a no-op
+        return
+    shape = tuple(store.shape)
+    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != shape:
+        got = list(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        error_msgs.append(
+            f"size mismatch for {prefix}weight: copying a param with shape {got} from checkpoint, "
+            f"the shape in current model is {list(shape)}."
+        )
+        state.update({k: module._shard_params()[s] for s, k in shard_keys.items()})
+        return
+    parts = store.layout.split(weight)
+    state.update({k: parts[s] for s, k in shard_keys.items()})
 
 
 class ShardedEmbedding(_ShardedTable):

@@ -34,6 +34,7 @@ __all__ = [
     "gather_local",
     "renorm",
     "scatter_grads",
+    "slab_weight",
 ]
 
 BAG_MODES = ("sum", "mean", "max")
@@ -63,7 +64,8 @@ def _exchange(store: ShardStore) -> Any:
     return ex if ex is not None and ex.world > 1 else None
 
 
-def _slab_weight(store: ShardStore) -> torch.Tensor:
+def slab_weight(store: ShardStore) -> torch.Tensor:
+    """The full slab as a tensor whose gradient reaches the shards (the lone shard itself if only one)."""
     shards = list(store.local_shards().values())
     if len(shards) == 1 and shards[0].is_contiguous():
         # One shard is the table: no Function, no copy, nothing to pay for sharding.
@@ -87,7 +89,7 @@ def _source(
         pad = None
         if padding_idx is not None:
             pad = int(store.layout.storage_rows(torch.tensor([padding_idx]), check=False)[0])
-        return _Source(_slab_weight(store), rows, pad, max_norm, sparse)
+        return _Source(slab_weight(store), rows, pad, max_norm, sparse)
     unique, inverse = torch.unique(ids, return_inverse=True)
     request, pad = unique, None
     if padding_idx is not None:

@@ -17,7 +17,7 @@ import torch
 from .._errors import ShardvarTypeError, ShardvarValueError
 from .._validate import normalise_axis
 from ..layout import Layout
-from . import _indexing, _update
+from . import _indexing, _update, _values
 from ._store import ShardStore
 
 __all__ = ["ShardedVariable"]
@@ -149,10 +149,18 @@ class ShardedVariable:
     # -- materialising --------------------------------------------------------------------------
     def to_tensor(self, device: torch.device | str | None = None) -> torch.Tensor:
         """The whole logical tensor, a new one (differentiable with respect to the shards)."""
-        whole = _indexing.materialise(self.store)
+        whole = _values.materialise(self.store)
         return whole if device is None else whole.to(device)
 
     read_value = to_tensor
+
+    def logical(self, copy: bool = True) -> torch.Tensor:
+        """The logical tensor; with ``copy=False`` a view of the shards where the layout allows one.
+
+        A div variable whose shards are one slab is already the table: no copy is made, and
+        writes to the result write the shards. Otherwise (mod, several slabs) it is a new tensor.
+        """
+        return _values.materialise(self.store, copy=copy)
 
     def numpy(self) -> np.ndarray:
         return self.to_tensor().detach().cpu().numpy()

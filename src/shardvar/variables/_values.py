@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from .._errors import ShardvarTypeError, ShardvarValueError
-from ._functional import gather
+from ._functional import gather, slab_weight
 from ._store import ShardStore
 
 __all__ = ["materialise", "as_value", "coerce", "check_local", "device_of"]
@@ -28,10 +28,16 @@ def check_local(store: ShardStore, what: str) -> list[torch.Tensor]:
     return list(store.local_shards().values())
 
 
-def materialise(store: ShardStore) -> torch.Tensor:
-    """The whole logical tensor as a new tensor (collective for a distributed store)."""
+def materialise(store: ShardStore, copy: bool = True) -> torch.Tensor:
+    """The whole logical tensor (collective for a distributed store); differentiable into the shards.
+
+    With ``copy=False`` it aliases the shards where the layout allows (one slab holding contiguous
+    shards in order is already the table), else it is a new tensor.
+    """
     if not store.is_complete:
         return gather(store, torch.arange(store.layout.num_rows, device=device_of(store)))
+    if not copy and store.layout.contiguous and store.full_slab is not None:
+        return slab_weight(store).view(store.shape)
     return store.layout.join(list(store.local_shards().values()))
 
 
