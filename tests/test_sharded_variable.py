@@ -203,7 +203,7 @@ def test_acts_as_a_tensor() -> None:
     np.testing.assert_array_equal(np.asarray(v), full.numpy())
     np.testing.assert_array_equal(v.numpy(), full.numpy())
     assert v.shape == torch.Size([6, 2]) and v.dtype == torch.float32 and v.ndim == 2 and v.numel() == 12
-    assert len(v) == 4 and [s.shape[0] for s in v] == [2, 2, 1, 1]
+    assert len(v.variables) == 4 and [s.shape[0] for s in v.variables] == [2, 2, 1, 1]  # len(v) is rows (issue 12)
     assert (
         repr(v) == "ShardedVariable(shape=[6, 2], dtype=torch.float32, layout=mod[2, 2, 1, 1]@axis0, devices=['cpu'])"
     )

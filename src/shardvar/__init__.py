@@ -4,7 +4,14 @@ Layers, each importable without the ones above it: ``shardvar.layout`` (pure lay
 ``shardvar.partitioners`` -> ... The public names are re-exported here one by one.
 """
 
-from ._errors import ShardvarDistributedError, ShardvarError, ShardvarIndexError, ShardvarTypeError, ShardvarValueError
+from ._errors import (
+    ShardvarDistributedError,
+    ShardvarError,
+    ShardvarIndexError,
+    ShardvarIntegerError,
+    ShardvarTypeError,
+    ShardvarValueError,
+)
 from .checkpoint import CheckpointError, load, read_shard, reshard, save
 from .distributed import DistributedEmbedding, DistributedShardedVariable
 from .layout import Layout, SlicePlan, ceil_sizes
@@ -37,6 +44,7 @@ from .variables import (
     safe_embedding_lookup_sparse,
     shard_tensor,
 )
+from .variables._torch_function import ShardvarMaterializeWarning
 
 __version__ = "0.1.0"
 
@@ -60,6 +68,8 @@ __all__ = [
     "ShardvarDistributedError",
     "ShardvarError",
     "ShardvarIndexError",
+    "ShardvarIntegerError",
+    "ShardvarMaterializeWarning",
     "ShardvarTypeError",
     "ShardvarValueError",
     "SlicePlan",

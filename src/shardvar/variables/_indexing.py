@@ -16,7 +16,7 @@ from .._errors import ShardvarIndexError, ShardvarTypeError
 from ..layout import Layout, last_occurrence
 from ._functional import gather
 from ._store import ShardStore
-from ._update import check_writable
+from ._update import check_writable, scatter
 from ._values import check_local, coerce, device_of, materialise
 
 __all__ = ["getitem", "setitem", "expand_key"]
@@ -193,12 +193,11 @@ def setitem(store: ShardStore, key: Any, value: Any) -> None:
     i = _axis_entry(entries, starts, axis)
     e = entries[i]
     others = [x for j, x in enumerate(entries) if j != i]
-    if any(isinstance(x, torch.Tensor) for x in others):
-        raise ShardvarTypeError(
-            "assignment supports index tensors only on the sharded axis; index other axes with ints or slices"
-        )
-    if isinstance(e, torch.Tensor) and any(isinstance(x, int) for x in others):
-        raise ShardvarTypeError("assignment with ids on the sharded axis needs slices (not ints) on the other axes")
+    if any(isinstance(x, torch.Tensor) for x in others) or (
+        isinstance(e, torch.Tensor) and any(isinstance(x, int) for x in others)
+    ):
+        _setitem_by_rows(store, entries, starts, i, value)
+        return
     if isinstance(e, torch.Tensor) and e.dtype == torch.bool:
         if e.dim() != 1 or e.shape[0] != size:
             raise ShardvarIndexError(
@@ -226,6 +225,39 @@ def setitem(store: ShardStore, key: Any, value: Any) -> None:
     with torch.no_grad():
         for s, key, part in writes:
             shards[s][key] = part.to(shards[s].device)
+
+
+def _setitem_by_rows(store: ShardStore, entries: list[Any], starts: list[int], i: int, value: Any) -> None:
+    """``v[key] = value`` for keys mixing advanced indices across axes, with numpy semantics.
+
+    The rows the key touches along the sharded axis are read into a compact tensor, the key is
+    applied to it by torch (positions instead of ids), and the rows are written back at once.
+    """
+    axis, size = store.layout.axis, store.shape[store.layout.axis]
+    e = entries[i]
+    if isinstance(e, torch.Tensor) and e.dtype == torch.bool:
+        if e.dim() != 1 or e.shape[0] != size:
+            raise ShardvarIndexError(
+                f"boolean index of shape {list(e.shape)} does not match axis {axis} of size {size}"
+            )
+        e = torch.nonzero(e).squeeze(1)
+    if isinstance(e, int):
+        e = torch.tensor(_normalise_int(e, size, axis))
+    elif isinstance(e, slice):
+        e = torch.arange(size)[e]
+    ids = _normalise_ids(e, size, axis).to(device_of(store))
+    unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+    with torch.no_grad():
+        compact = gather(store, unique).movedim(0, axis).clone()
+    entries[i] = inverse.reshape(ids.shape) if isinstance(entries[i], torch.Tensor) else inverse.reshape(())
+    entries = [
+        _ascending(x, compact.shape[d]) if isinstance(x, slice) and x.step and x.step < 0 else x
+        for x, d in zip(entries, starts, strict=True)
+    ]
+    key = _numpy_style(entries, compact.device)
+    target = compact[key]
+    compact[key] = coerce(value, store.dtype, target.shape, selection=True)
+    scatter(store, "scatter_update", unique, compact.movedim(axis, 0))
 
 
 def _planned_writes(

@@ -7,8 +7,7 @@ lookups live in their own modules (``_indexing``, ``_update``, ``_lookup``).
 from __future__ import annotations
 
 import math
-import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -17,8 +16,9 @@ import torch
 from .._errors import ShardvarTypeError, ShardvarValueError
 from .._validate import normalise_axis
 from ..layout import Layout
-from . import _indexing, _update, _values
+from . import _indexing, _torch_ops, _update, _values  # noqa: F401 (_torch_ops registers handlers)
 from ._store import ShardStore
+from ._tensor_methods import TensorMethods
 
 __all__ = ["ShardedVariable"]
 
@@ -46,7 +46,7 @@ def _check_shards(shards: object, axis: int) -> tuple[list[torch.Tensor], int]:
     return list(shards), axis
 
 
-class ShardedVariable:
+class ShardedVariable(TensorMethods):
     """A logical tensor stored as shards split along one axis by a layout.
 
     Shards on one device that share their memory with no other tensor are moved into one
@@ -131,13 +131,6 @@ class ShardedVariable:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    def __len__(self) -> int:
-        """The number of shards (iteration yields the shards, as in the reference)."""
-        return len(self.variables)
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        return iter(self.variables)
-
     def __repr__(self) -> str:
         devices = sorted({str(d) for d in self.devices})
         name = f"name={self.name!r}, " if self.name else ""
@@ -170,10 +163,6 @@ class ShardedVariable:
         return out if dtype is None else out.astype(dtype)
 
     # -- acting as a tensor ---------------------------------------------------------------------
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return func(*_materialise(args), **_materialise(kwargs or {}))
-
     def __bool__(self) -> bool:
         return bool(self.to_tensor())
 
@@ -243,54 +232,3 @@ class ShardedVariable:
         """``scatter_update`` with optional batch dimensions before the sharded axis."""
         _update.batch_scatter_update(self.store, indices, updates)
         return self
-
-
-def _materialise(obj: Any) -> Any:
-    if isinstance(obj, ShardedVariable):
-        return obj.to_tensor()
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_materialise(o) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _materialise(v) for k, v in obj.items()}
-    return obj
-
-
-def _binary(op):
-    def forward(self, other):
-        return op(self.to_tensor(), _materialise(other))
-
-    def reflected(self, other):
-        return op(_materialise(other), self.to_tensor())
-
-    return forward, reflected
-
-
-for _name, _op in {
-    "add": operator.add,
-    "sub": operator.sub,
-    "mul": operator.mul,
-    "truediv": operator.truediv,
-    "floordiv": operator.floordiv,
-    "mod": operator.mod,
-    "pow": operator.pow,
-    "matmul": operator.matmul,
-    "and": operator.and_,
-    "or": operator.or_,
-    "xor": operator.xor,
-}.items():
-    _fwd, _rev = _binary(_op)
-    setattr(ShardedVariable, f"__{_name}__", _fwd)
-    setattr(ShardedVariable, f"__r{_name}__", _rev)
-
-for _name, _op in {
-    "eq": operator.eq,
-    "ne": operator.ne,
-    "lt": operator.lt,
-    "le": operator.le,
-    "gt": operator.gt,
-    "ge": operator.ge,
-}.items():
-    setattr(ShardedVariable, f"__{_name}__", _binary(_op)[0])
-
-for _name, _op in {"neg": operator.neg, "pos": operator.pos, "abs": operator.abs, "invert": operator.invert}.items():
-    setattr(ShardedVariable, f"__{_name}__", lambda self, _op=_op: _op(self.to_tensor()))

@@ -10,7 +10,7 @@ from .._errors import ShardvarTypeError, ShardvarValueError
 from ._functional import gather, slab_weight
 from ._store import ShardStore
 
-__all__ = ["materialise", "as_value", "coerce", "check_local", "device_of"]
+__all__ = ["materialise", "as_value", "coerce", "check_local", "check_range", "device_of"]
 
 
 def device_of(store: ShardStore) -> torch.device:
@@ -56,7 +56,7 @@ def as_value(value: Any) -> torch.Tensor:
         raise ShardvarTypeError(f"cannot read {value!r:.60} as a tensor ({e})") from None
 
 
-def _check_range(t: torch.Tensor, dtype: torch.dtype) -> None:
+def check_range(t: torch.Tensor, dtype: torch.dtype) -> None:
     # Writing 300 into uint8 would wrap silently: refuse, naming the value and the dtype's range.
     if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool or t.numel() == 0:
         return
@@ -81,7 +81,7 @@ def coerce(
         raise ShardvarTypeError(
             f"{what} of dtype {t.dtype} cannot be cast to the variable's dtype {dtype} (a lossy cast)"
         )
-    _check_range(t, dtype)
+    check_range(t, dtype)
     try:
         return t.to(dtype).broadcast_to(shape)
     except RuntimeError:
