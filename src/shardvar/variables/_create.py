@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from .._errors import ShardvarTypeError, ShardvarValueError
+from .._validate import check_bool
 from ..layout import Layout
 from ..partitioners import PartitionerConfig, check_shape
 from ._sharded_variable import ShardedVariable
@@ -70,22 +72,63 @@ def shard_tensor(
     return ShardedVariable.from_store(store, name=name)
 
 
-def initial_value(initializer: Initializer, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """The logical initial value: drawn once for the whole shape, so it never depends on the slicing."""
+def _fills_in_place(initializer: Callable) -> bool:
+    """PyTorch's convention (``nn.init.normal_``: fill the tensor given) rather than ``(shape, dtype)``.
+
+    torch.nn.init's functions (also inside functools.partial) fill in place; any other callable
+    that takes two positional arguments follows the reference's ``(shape, dtype)``; one that takes
+    only one fills the tensor it is given.
+    """
+    func = getattr(initializer, "func", initializer)  # functools.partial(nn.init.normal_, std=0.02)
+    if getattr(func, "__module__", None) == "torch.nn.init":
+        return True
+    try:
+        params = list(inspect.signature(initializer).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) == 1
+
+
+def _as_initial(value: Any, shape: tuple[int, ...], dtype: torch.dtype | None, what: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        try:
+            value = torch.as_tensor(value, dtype=dtype)  # nested lists, numpy arrays, as the reference accepts
+        except (TypeError, ValueError, RuntimeError):
+            raise ShardvarValueError(
+                f"{what} returned {type(value).__name__}; expected a tensor of shape {list(shape)}"
+            ) from None
+    if tuple(value.shape) != shape:
+        raise ShardvarValueError(f"{what} returned shape {list(value.shape)}; expected a tensor of shape {list(shape)}")
+    return value if dtype is None else value.to(dtype)
+
+
+def initial_value(initializer: Initializer, shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
+    """The logical initial value: drawn once for the whole shape, so it never depends on the slicing.
+
+    ``initializer`` is a tensor (its dtype unless ``dtype`` is given), a number, an in-place
+    PyTorch initializer (``nn.init.normal_``: fills the tensor it is given), or a callable
+    ``(shape, dtype) -> tensor`` (or nested lists), as the reference's initializers are.
+    """
     if isinstance(initializer, torch.Tensor):
         if tuple(initializer.shape) != shape:
             raise ShardvarValueError(f"initializer tensor has shape {list(initializer.shape)}; expected {list(shape)}")
-        return initializer.to(dtype)
+        return initializer.detach() if dtype is None else initializer.detach().to(dtype)
+    dtype = dtype or torch.float32
     if isinstance(initializer, (int, float)) and not isinstance(initializer, bool):
         return torch.full(shape, initializer, dtype=dtype)
     if callable(initializer):
-        value = initializer(shape, dtype)
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
-            got = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ShardvarValueError(f"initializer returned {got}; expected a tensor of shape {list(shape)}")
-        return value.to(dtype)
+        if _fills_in_place(initializer):
+            out = torch.empty(shape, dtype=dtype)
+            with torch.no_grad():
+                result = initializer(out)
+            return _as_initial(out if result is None else result, shape, dtype, "initializer")
+        return _as_initial(initializer(shape, dtype), shape, dtype, "initializer")
     raise ShardvarTypeError(
-        f"initializer must be a tensor, a number, or a callable (shape, dtype) -> tensor; got {initializer!r:.80}"
+        "initializer must be a tensor, a number, an in-place initializer such as nn.init.normal_, or a callable "
+        f"(shape, dtype) -> tensor; got {initializer!r:.80}"
     )
 
 
@@ -93,8 +136,8 @@ def create_partitioned_variables(
     shape: Sequence[int],
     slicing: Sequence[int],
     initializer: Initializer,
-    dtype: torch.dtype = torch.float32,
-    trainable: bool = True,
+    dtype: torch.dtype | None = None,
+    trainable: bool | None = None,
     name: str | None = None,
     partition_strategy: str = "div",
 ) -> ShardedVariable:
@@ -102,16 +145,29 @@ def create_partitioned_variables(
 
     Uneven splits give the first shards one extra row, as the reference does. Unlike the
     reference, a random initializer is drawn once for the whole logical shape, so logical row r
-    has the same value whatever the slicing.
+    has the same value whatever the slicing. ``dtype`` defaults to the initializer tensor's, else
+    float32; ``trainable`` defaults to whether the dtype can carry gradients (integers cannot).
 
     >>> v = create_partitioned_variables([5, 2], [2, 1], torch.arange(10.).reshape(5, 2))
     >>> [list(s.shape) for s in v.variables]
     [[3, 2], [2, 2]]
+    >>> torch.manual_seed(0) and None
+    >>> create_partitioned_variables([4, 3], [2, 1], torch.nn.init.xavier_uniform_).shape
+    torch.Size([4, 3])
     """
     shape = check_shape(shape)
     slicing = list(slicing)
     if len(slicing) != len(shape):
         raise ShardvarValueError(f"shape {list(shape)} and slicing {slicing} must have the same length")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise ShardvarTypeError(f"dtype must be a torch.dtype; got {dtype!r:.60}")
     layout = PartitionerConfig(slicing).layout(shape, partition_strategy)
     value = initial_value(initializer, shape, dtype)
-    return shard_tensor(value.detach(), layout, requires_grad=trainable, name=name)
+    differentiable = value.dtype.is_floating_point or value.dtype.is_complex
+    if trainable is None:
+        trainable = differentiable
+    elif check_bool(trainable, "trainable") and not differentiable:
+        raise ShardvarTypeError(
+            f"a {value.dtype} variable cannot be trainable; pass trainable=False (integers carry no gradients)"
+        )
+    return shard_tensor(value, layout, requires_grad=trainable, name=name)
