@@ -62,3 +62,25 @@ def module_train(rank: int, world: int, case: str, shards: int, strategy: str, s
         "sparse_grads": all(p.grad is None or p.grad.is_sparse for p in emb.parameters()),
         "calls": calls,
     }
+
+
+def ddp_sparse(rank: int, world: int) -> dict:
+    """ShardedEmbedding(sparse=True) replicated under DDP trains as nn.Embedding(sparse=True) does."""
+    import shardvar
+
+    torch.manual_seed(0)
+    plain = nn.Embedding(ROWS, DIM, sparse=True)
+    sharded = shardvar.ShardedEmbedding.from_pretrained(
+        plain.weight.detach().clone(), freeze=False, partitioner=3, partition_strategy="mod", sparse=True
+    )
+    results = {}
+    for name, module in (("plain", plain), ("sharded", sharded)):
+        model = nn.parallel.DistributedDataParallel(module)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        for step in range(3):
+            ids = torch.randint(0, ROWS, (5,), generator=torch.Generator().manual_seed(step * 10 + rank))
+            opt.zero_grad()
+            model(ids).pow(2).sum().backward()
+            opt.step()
+        results[name] = module.weight.detach().clone() if name == "plain" else module.weight.to_tensor().detach()
+    return results

@@ -96,7 +96,7 @@ def test_modules_work_with_state_dict_and_optimizers() -> None:
     # Issue 12: the logical key by default, as nn.Embedding; the per-shard form on request.
     assert list(emb.state_dict()) == ["weight"]
     emb.set_state_dict_form("sharded")
-    assert list(emb.state_dict()) == ["shards.0", "shards.1", "shards.2"]
+    assert list(emb.state_dict()) == ["shard_0", "shard_1", "shard_2"]
     clone = shardvar.ShardedEmbedding(10, 2, partitioner=3)
     clone.load_state_dict(emb.state_dict())
     torch.testing.assert_close(clone.weight.to_tensor(), emb.weight.to_tensor())

@@ -6,6 +6,7 @@ Layers, each importable without the ones above it: ``shardvar.layout`` (pure lay
 
 from ._errors import (
     ShardvarDistributedError,
+    ShardvarDTypeError,
     ShardvarError,
     ShardvarIndexError,
     ShardvarIntegerError,
@@ -66,6 +67,7 @@ __all__ = [
     "ShardedEmbeddingBag",
     "ShardedVariable",
     "ShardvarDistributedError",
+    "ShardvarDTypeError",
     "ShardvarError",
     "ShardvarIndexError",
     "ShardvarIntegerError",

@@ -12,6 +12,7 @@ __all__ = [
     "ShardvarIndexError",
     "ShardvarTypeError",
     "ShardvarIntegerError",
+    "ShardvarDTypeError",
     "ShardvarDistributedError",
 ]
 
@@ -37,6 +38,13 @@ class ShardvarIntegerError(ShardvarTypeError, ShardvarValueError):
 
     It is a TypeError, and also a ValueError for callers that validate counts and sizes by
     catching ValueError (as numpy's AxisError is both a ValueError and an IndexError).
+    """
+
+
+class ShardvarDTypeError(ShardvarTypeError, ShardvarValueError):
+    """Tensors whose dtypes must agree do not (mixed-dtype shards, weights of another dtype).
+
+    A TypeError, as in the reference, and a ValueError for callers that check values that way.
     """
 
 

@@ -55,7 +55,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     with torch.no_grad():
         predictions = model(*_eval_batch(data, args), mlp)
     distributed_save({"model": model, "opt": opt}, out)
-    local = [p.numel() * p.element_size() for p in [*users.shards.values(), *items.shards.values()]]
+    local = [p.numel() * p.element_size() for p in [*users.shards, *items.shards]]
     stats = {
         "rank": rank,
         "per_step": per_step,

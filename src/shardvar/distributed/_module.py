@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 from ..nn import ShardedEmbedding, ShardedEmbeddingBag
 from ..variables import RowInitializer
@@ -17,13 +16,7 @@ __all__ = ["DistributedEmbedding", "DistributedEmbeddingBag"]
 
 
 class _Distributed:
-    """What both distributed modules add: shards named by global index, the distributed variable."""
-
-    def _register_shards(self, shards: dict[int, torch.Tensor]) -> nn.Module:
-        return nn.ParameterDict({str(s): p for s, p in shards.items()})
-
-    def _shard_params(self) -> dict[int, torch.Tensor]:
-        return {int(k): p for k, p in self.shards.items()}
+    """What both distributed modules add: the distributed variable (shards are named by global index)."""
 
     @property
     def variable(self) -> DistributedShardedVariable:

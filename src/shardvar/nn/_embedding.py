@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._errors import ShardvarValueError
+from .._errors import ShardvarTypeError, ShardvarValueError
 from .._validate import check_bool, check_choice, check_int, check_number
 from ..layout import Layout
 from ..variables import ShardedVariable, ShardStore, functional, to_layout
@@ -34,7 +34,12 @@ def _initial_weight(
 
 
 class _ShardedTable(nn.Module):
-    """The shards of one ``[num_embeddings, embedding_dim]`` table, as nn.Parameters ``shards.<i>``."""
+    """The shards of one ``[num_embeddings, embedding_dim]`` table, as nn.Parameters ``shard_<i>``.
+
+    The concrete modules also subclass ``nn.Embedding`` / ``nn.EmbeddingBag`` (without their
+    full-size ``weight``), so code that checks for an embedding (DDP's sparse gradients, model
+    initialisers that fill ``module.weight.data``) treats them as one.
+    """
 
     def __init__(
         self,
@@ -55,7 +60,7 @@ class _ShardedTable(nn.Module):
         *,
         _store: ShardStore | None = None,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Embedding's: it would allocate the whole table
         self.num_embeddings = check_int(num_embeddings, "num_embeddings", minimum=0)
         self.embedding_dim = check_int(embedding_dim, "embedding_dim", minimum=0)
         shape = (self.num_embeddings, self.embedding_dim)
@@ -81,24 +86,27 @@ class _ShardedTable(nn.Module):
         for p in _store.local_shards().values():
             p.requires_grad_(not check_bool(_freeze, "freeze"))
         self._store = _store
-        self.shards = self._register_shards(_store.local_shards())
+        for s, p in _store.local_shards().items():
+            self.register_parameter(f"shard_{s}", p)
         self._register_state_dict_hook(_logical_state_dict)
         self._register_load_state_dict_pre_hook(_load_logical_weight, with_module=True)
 
     # "logical": state_dict() holds ``weight``, the whole table, as nn.Embedding's does; "sharded":
-    # one entry per shard (``shards.<i>``), for tables too large to materialise. load_state_dict
+    # one entry per shard (``shard_<i>``), for tables too large to materialise. load_state_dict
     # accepts either form whatever this is set to.
     state_dict_form: str = "logical"
 
     def set_state_dict_form(self, form: str) -> None:
-        """``"logical"`` (default: key ``weight``, as nn.Embedding) or ``"sharded"`` (keys ``shards.<i>``)."""
+        """``"logical"`` (default: key ``weight``, as nn.Embedding) or ``"sharded"`` (keys ``shard_<i>``)."""
         self.state_dict_form = check_choice(form, "form", ("logical", "sharded"))
 
-    def _register_shards(self, shards: dict[int, torch.Tensor]) -> nn.Module:
-        return nn.ParameterList(shards.values())
-
     def _shard_params(self) -> dict[int, torch.Tensor]:
-        return dict(enumerate(self.shards))
+        return {int(name[6:]): p for name, p in self._parameters.items() if name.startswith("shard_")}
+
+    @property
+    def shards(self) -> tuple[torch.Tensor, ...]:
+        """This module's shard parameters, in shard order (for a distributed module: this rank's)."""
+        return tuple(p for _, p in sorted(self._shard_params().items()))
 
     @property
     def store(self) -> ShardStore:
@@ -115,6 +123,34 @@ class _ShardedTable(nn.Module):
     def weight(self) -> ShardedVariable:
         """The table as one ShardedVariable over this module's shard parameters."""
         return ShardedVariable.from_store(self.store, name="weight")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "weight" and "_store" in self.__dict__:
+            self._set_weight(value)
+            return
+        super().__setattr__(name, value)
+
+    def _set_weight(self, value: Any) -> None:
+        """``module.weight = v``: tie to another ShardedVariable's shards (same layout), else refuse."""
+        store = getattr(value, "store", None)
+        if (
+            isinstance(store, ShardStore)
+            and store.layout == self.layout
+            and tuple(store.shape) == tuple(self._store.shape)
+        ):
+            for s, p in store.local_shards().items():
+                if not isinstance(p, nn.Parameter):
+                    raise ShardvarTypeError(f"shard {s} of the assigned variable is not an nn.Parameter")
+                self.register_parameter(f"shard_{s}", p)  # the same Parameters: tied
+            return
+        raise ShardvarTypeError(
+            f"cannot replace the sharded weight of {type(self).__name__} with {type(value).__name__}: use "
+            "module.weight.data = tensor to copy values in, or assign a ShardedVariable of the same layout to tie"
+        )
+
+    def _fill_padding_idx_with_zero(self) -> None:
+        if self.padding_idx is not None:
+            self.weight[self.padding_idx] = 0
 
     def sharded_variables(self) -> dict[str, ShardedVariable]:
         """The module's sharded parameters by local name (checkpoints store each as one variable)."""
@@ -154,7 +190,7 @@ def _logical_state_dict(module: _ShardedTable, state: dict, prefix: str, local_m
     store = module.store
     if module.state_dict_form != "logical" or not store.is_complete:
         return  # a distributed table is saved shard by shard (the whole table is on no rank)
-    for key in [k for k in state if k.startswith(prefix + "shards.")]:
+    for key in [k for k in state if k.startswith(prefix + "shard_")]:
         del state[key]
     state[prefix + "weight"] = module.weight.logical(copy=False).detach()
 
@@ -169,9 +205,9 @@ def _load_logical_weight(
     unexpected_keys: list,
     error_msgs: list,
 ) -> None:
-    """Load ``weight`` (the whole table) by splitting it into the ``shards.<i>`` entries the shards load."""
+    """Load ``weight`` (the whole table) by splitting it into the ``shard_<i>`` entries the shards load."""
     store = module.store
-    shard_keys = {s: f"{prefix}shards.{s}" for s in module._shard_params()}
+    shard_keys = {s: f"{prefix}shard_{s}" for s in module._shard_params()}
     weight = state.pop(prefix + "weight", None)
     if weight is None:
         if not any(k in state for k in shard_keys.values()):
@@ -191,7 +227,7 @@ def _load_logical_weight(
     state.update({k: parts[s] for s, k in shard_keys.items()})
 
 
-class ShardedEmbedding(_ShardedTable):
+class ShardedEmbedding(_ShardedTable, nn.Embedding):
     """``nn.Embedding`` whose table is split into shards by a partitioner, config or shard count.
 
     >>> torch.manual_seed(0) and None
@@ -214,7 +250,7 @@ class ShardedEmbedding(_ShardedTable):
         )
 
 
-class ShardedEmbeddingBag(_ShardedTable):
+class ShardedEmbeddingBag(_ShardedTable, nn.EmbeddingBag):
     """``nn.EmbeddingBag`` (modes sum, mean, max) over a sharded table."""
 
     def __init__(

@@ -30,6 +30,8 @@ def _ordered(store: ShardStore, grads: dict[int, torch.Tensor]) -> tuple[torch.T
 class SlabView(torch.autograd.Function):
     """``SlabView.apply(store, *shards)``: the store's full slab, differentiable into the shards."""
 
+    generate_vmap_rule = True  # the output does not depend on a batch dimension of any input
+
     @staticmethod
     def forward(store: ShardStore, *shards: torch.Tensor) -> torch.Tensor:
         return store.full_slab.detach()

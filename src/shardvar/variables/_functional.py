@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .._errors import ShardvarValueError
+from .._errors import ShardvarDTypeError, ShardvarValueError
 from .._validate import check_choice, check_int, check_number
 from ..layout import as_ids, check_ids
 from ._autograd import GatherRows, SlabView, gather_local, scatter_grads
@@ -86,6 +86,8 @@ def _source(
     exchange = _exchange(store)
     if exchange is None and store.full_slab is not None and not by_rows:
         rows = store.layout.strategy.storage_rows(store.layout.sizes, ids)
+        if _transformed(ids):
+            rows = _poison_bad(ids, rows, store.layout.num_rows)
         pad = None
         if padding_idx is not None:
             pad = int(store.layout.storage_rows(torch.tensor([padding_idx]), check=False)[0])
@@ -118,12 +120,25 @@ def renorm(store: ShardStore, ids: torch.Tensor, max_norm: float, norm_type: flo
                 torch.embedding_renorm_(target, rows.to(target.device), max_norm, norm_type)
 
 
+def _transformed(t: torch.Tensor) -> bool:
+    """Whether ``t`` is wrapped by a torch.func transform (vmap, grad): no host reads of its values."""
+    if torch.compiler.is_compiling():
+        return False  # dynamo traces real tensors (the id check becomes a graph break)
+    return torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
 def _ids(store: ShardStore, ids: Any) -> torch.Tensor:
     device = store.groups[0].device if store.groups else None
     t = as_ids(ids, device=None if isinstance(ids, torch.Tensor) else device)
-    if _exchange(store) is None:
+    if _exchange(store) is None and not _transformed(t):
         check_ids(t, store.layout.num_rows)  # a distributed lookup agrees on bad ids across ranks
     return t
+
+
+def _poison_bad(ids: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+    # Under vmap the ids cannot be checked on the host: an id outside the table becomes row -1,
+    # which the torch op itself refuses (IndexError), instead of a valid row of another id.
+    return torch.where((ids < 0) | (ids >= num_rows), -1, rows)
 
 
 def _options(store: ShardStore, max_norm: Any, norm_type: Any) -> tuple[float | None, float]:
@@ -200,9 +215,9 @@ def _check_weights(per_sample_weights: Any, ids: torch.Tensor, mode: str, dtype:
         raise ShardvarValueError(
             f"per_sample_weights of shape {list(w.shape)} must match input of shape {list(ids.shape)}"
         )
-    if not w.is_floating_point():
-        raise ShardvarValueError(f"per_sample_weights must be floating point; got dtype {w.dtype}")
-    return w.to(ids.device, dtype)
+    if w.dtype != dtype:
+        raise ShardvarDTypeError(f"per_sample_weights must have the table's dtype {dtype}; got {w.dtype}")
+    return w.to(ids.device)
 
 
 def embedding_bag(

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .._errors import ShardvarTypeError, ShardvarValueError
+from .._errors import ShardvarDTypeError, ShardvarTypeError, ShardvarValueError
 from .._validate import check_choice, check_number
 from ..layout import as_ids
 from . import _functional
@@ -101,7 +101,7 @@ def _sparse_parts(sp: Any, what: str, flatten: bool = False) -> tuple[torch.Tens
     return bag, values, batch
 
 
-def _same_indices(sp_ids: torch.Tensor, sp_weights: Any) -> torch.Tensor | None:
+def _same_indices(sp_ids: torch.Tensor, sp_weights: Any, dtype: torch.dtype) -> torch.Tensor | None:
     if sp_weights is None:
         return None
     _, weights, _ = _sparse_parts(sp_weights, "sp_weights", flatten=True)
@@ -109,6 +109,8 @@ def _same_indices(sp_ids: torch.Tensor, sp_weights: Any) -> torch.Tensor | None:
     w_idx = sp_weights.indices() if sp_weights.is_coalesced() else sp_weights._indices()
     if w_idx.shape != ids_idx.shape or not torch.equal(w_idx, ids_idx.to(w_idx.device)):
         raise ShardvarValueError("sp_weights must have the same indices as sp_ids")
+    if weights.dtype != dtype:
+        raise ShardvarDTypeError(f"sp_weights must have the params' dtype {dtype}; got {weights.dtype}")
     return weights
 
 
@@ -179,7 +181,7 @@ def embedding_lookup_sparse(
     variable = as_sharded(params, partition_strategy)
     max_norm = check_number(max_norm, "max_norm", positive=True, allow_none=True)
     bag, ids, batch = _sparse_parts(sp_ids, "sp_ids")
-    weights = _same_indices(sp_ids, sp_weights)
+    weights = _same_indices(sp_ids, sp_weights, variable.dtype)
     ids = as_ids(ids, device=variable.device)
     return _combine(variable, ids, bag, weights, batch[0], combiner, max_norm)
 
@@ -203,7 +205,7 @@ def safe_embedding_lookup_sparse(
     variable = as_sharded(params, partition_strategy, default="div")
     max_norm = check_number(max_norm, "max_norm", positive=True, allow_none=True)
     bag, ids, batch_shape = _sparse_parts(sp_ids, "sp_ids", flatten=True)
-    weights = _same_indices(sp_ids, sp_weights)
+    weights = _same_indices(sp_ids, sp_weights, variable.dtype)
     ids = as_ids(ids, device=variable.device)
     keep = ids >= 0
     if weights is not None:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._errors import ShardvarTypeError, ShardvarValueError
+from .._errors import ShardvarDTypeError, ShardvarTypeError, ShardvarValueError
 from .._validate import normalise_axis
 from ..layout import Layout
 from . import _indexing, _torch_ops, _update, _values  # noqa: F401 (_torch_ops registers handlers)
@@ -31,7 +31,7 @@ def _check_shards(shards: object, axis: int) -> tuple[list[torch.Tensor], int]:
             raise ShardvarTypeError(f"shards must be tensors; got {type(s).__name__} at position {i}")
     dtypes = [s.dtype for s in shards]
     if len(set(dtypes)) > 1:
-        raise ShardvarValueError(f"all shards must have the same dtype; got {[str(d) for d in dtypes]}")
+        raise ShardvarDTypeError(f"all shards must have the same dtype; got {[str(d) for d in dtypes]}")
     ndims = {s.dim() for s in shards}
     if len(ndims) > 1 or 0 in ndims:
         raise ShardvarValueError(

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .._errors import ShardvarTypeError, ShardvarValueError
+from .._errors import ShardvarDTypeError, ShardvarValueError
 from ..layout import Layout
 
 __all__ = ["Group", "ShardStore", "rows_2d"]
@@ -52,10 +52,20 @@ class Group:
     slab: torch.Tensor | None  # [rows, width] over the members' memory; None: a lone shard read as is
 
 
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    """The address of the tensor's storage, or None for tensors without one (torch.func wrappers, fakes)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
 def _as_slab(shards: list[torch.Tensor]) -> torch.Tensor | None:
     """A ``[rows, width]`` tensor over the shards' memory when they lie back to back in it, in order."""
     first = shards[0]
     if first.dim() == 0 or first.layout != torch.strided or first.device.type == "meta":
+        return None
+    if _storage_ptr(first) is None:
         return None
     ptr, offset = first.untyped_storage().data_ptr(), first.storage_offset()
     for s in shards:
@@ -81,6 +91,7 @@ def _adoptable(t: torch.Tensor) -> bool:
         and not t.is_inference()
         and t.layout == torch.strided
         and t.device.type != "meta"
+        and _storage_ptr(t) is not None
         and _use_count(t) == _BASE_USE
     )
 
@@ -104,7 +115,7 @@ def _adopt(shards: list[torch.Tensor]) -> bool:
 def _check_shards(shards: Mapping[int, torch.Tensor], layout: Layout, shape: torch.Size) -> torch.dtype:
     dtypes = {t.dtype for t in shards.values()}
     if len(dtypes) > 1:
-        raise ShardvarTypeError(f"all shards must have the same dtype; got {sorted(str(d) for d in dtypes)}")
+        raise ShardvarDTypeError(f"all shards must have the same dtype; got {sorted(str(d) for d in dtypes)}")
     for s, t in shards.items():
         expected = layout.shard_shape(shape, s)
         if tuple(t.shape) != expected:
@@ -195,7 +206,7 @@ class ShardStore:
 
     def _current_signature(self) -> tuple:
         # Storage pointer and offset rather than data_ptr(): reading them touches no data.
-        return tuple((t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype) for t in self._shards.values())
+        return tuple((_storage_ptr(t), id(t), t.dtype) for t in self._shards.values())
 
     def refresh(self) -> ShardStore:
         """Rebuild the slabs if a shard's memory changed (``param.data = ...``, ``module.to(...)``)."""
