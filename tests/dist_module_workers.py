@@ -84,3 +84,18 @@ def ddp_sparse(rank: int, world: int) -> dict:
             opt.step()
         results[name] = module.weight.detach().clone() if name == "plain" else module.weight.to_tensor().detach()
     return results
+
+
+def dies_before_construction(rank: int, world: int) -> dict:
+    """The last rank dies before creating its table: the others name it."""
+    import os
+
+    import shardvar
+
+    if rank == world - 1:
+        os._exit(19)
+    try:
+        DistributedEmbedding(ROWS, DIM, 3, "div", timeout=10)
+    except shardvar.ShardvarDistributedError as e:
+        return {"error": str(e)}
+    return {"error": None}

@@ -55,3 +55,9 @@ def test_every_module_option_matches_a_single_process(tmp_path, world, case, str
     parts = {s: t for r in results for s, t in r["shards"].items()}
     layout = shardvar.Layout.balanced(strategy, ROWS, shards)
     torch.testing.assert_close(layout.join([parts[s] for s in range(shards)]), table, atol=1e-6, rtol=0)
+
+
+def test_a_rank_that_dies_before_construction_is_named(tmp_path) -> None:
+    results = run_ranks(3, "dist_module_workers:dies_before_construction", tmp_path, expect_exit={2: 19})
+    for r in results[:2]:
+        assert r["error"] and "rank(s) [2] never reached it" in r["error"], r

@@ -13,6 +13,8 @@ import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
+
 from ._errors import ShardvarIntegerError, ShardvarTypeError, ShardvarValueError
 
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "check_choice",
     "check_shape",
     "normalise_axis",
+    "check_device",
 ]
 
 
@@ -141,3 +144,16 @@ def normalise_axis(axis: object, ndim: int) -> int:
             f"axis {axis} is out of range for a tensor of {ndim} dimension(s); expected [{-ndim}, {ndim})"
         )
     return axis % ndim
+
+
+def check_device(device: object) -> torch.device:
+    """A torch.device that exists on this machine (``"cuda:3"`` without a 4th GPU is refused)."""
+    try:
+        d = torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError) as e:
+        raise ShardvarValueError(f"{device!r:.60} is not a device ({e}); expected e.g. 'cpu' or 'cuda:0'") from None
+    if d.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (d.index or 0) >= count:
+            raise ShardvarValueError(f"device {d} does not exist: this machine has {count} CUDA device(s)")
+    return d

@@ -23,6 +23,7 @@ from .._validate import check_number
 __all__ = ["Comm", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 60.0
+_ARRIVALS: Counter[int] = Counter()  # agreement collectives so far, per process group (same on every rank)
 
 
 class Comm:
@@ -76,9 +77,50 @@ class Comm:
         self.bytes_sent += row * (sum(in_splits) - in_splits[self.rank])
         self._run(dist.all_to_all_single, f"all_to_all of {what}", out, inp, out_splits, in_splits)
 
+    def _store(self) -> Any:
+        try:
+            return dist.distributed_c10d._get_process_group_store(self.group or dist.group.WORLD)
+        except Exception:  # a group without a store of its own: failures just cannot name ranks
+            return None
+
+    def _arrive(self) -> str | None:
+        """Note this rank's arrival at the next agreement in the group's store; return the key prefix."""
+        store = self._store()
+        if store is None:
+            return None
+        group_key = id(self.group or dist.group.WORLD)
+        _ARRIVALS[group_key] += 1
+        prefix = f"shardvar/arrive/{_ARRIVALS[group_key]}"
+        try:
+            store.set(f"{prefix}/{self.rank}", "1")
+        except Exception:
+            return None
+        return prefix
+
+    def _missing(self, prefix: str | None) -> str:
+        store = self._store()
+        if prefix is None or store is None:
+            return ""
+        try:
+            absent = [r for r in range(self.world) if not store.check([f"{prefix}/{r}"])]
+        except Exception:
+            return ""
+        return f"; rank(s) {absent} never reached it" if absent else ""
+
     def all_gather_object(self, obj: Any, what: str) -> list[Any]:
-        """Everyone's ``obj`` in rank order: pickled bytes in two all_gathers (sizes, then bytes)."""
+        """Everyone's ``obj`` in rank order: pickled bytes in two all_gathers (sizes, then bytes).
+
+        Used where the ranks agree (construction, checkpoints): a failure names the ranks that never
+        arrived, so a rank that died early is reported as such.
+        """
         self.calls["all_gather_object"] += 1
+        prefix = self._arrive()
+        try:
+            return self._gather_object(obj, what)
+        except ShardvarDistributedError as e:
+            raise ShardvarDistributedError(f"{e}{self._missing(prefix)}") from None
+
+    def _gather_object(self, obj: Any, what: str) -> list[Any]:
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
         size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
         sizes = [torch.empty_like(size) for _ in range(self.world)]

@@ -30,6 +30,12 @@ def as_ids(ids: object, device: torch.device | str | None = None) -> torch.Tenso
             t = t.to(torch.int64)  # [] has no dtype of its own; an empty list is a valid empty id list
         if t.dtype not in _INTEGER_DTYPES:
             raise ShardvarTypeError(f"ids must be integers; got dtype {t.dtype} from {ids!r}")
+    if t.dtype == torch.uint64:
+        wrapped = t.reshape(-1).view(torch.int64) < 0  # values >= 2**63 wrap negative in int64
+        if bool(wrapped.any()):
+            at = int(torch.nonzero(wrapped)[0])
+            value = int(t.reshape(-1).view(torch.int64)[at]) + 2**64
+            raise ShardvarIndexError(f"ids must fit in int64; got {value} at position {at}")
     if device is not None:
         t = t.to(device)
     return t.to(torch.int64)

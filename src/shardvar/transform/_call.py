@@ -9,6 +9,7 @@ when every partition succeeded, so a failure never leaves some partitions update
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from .._errors import ShardvarError, ShardvarTypeError, ShardvarValueError
+from .._validate import check_device, check_int
 from ..layout import Layout
 
 __all__ = ["PartitionError", "partitioned_call", "StatefulPartitionedCall"]
@@ -98,10 +100,16 @@ def _run(fn: Callable, parts: list[tuple], devices: list[torch.device], extra: l
 def _devices(
     devices: Sequence[Any] | None, partitions: int | None, inputs: Any, axis: int | None
 ) -> list[torch.device]:
+    if partitions is not None:
+        partitions = check_int(partitions, "num_partitions", minimum=1)
+    if devices is not None:
+        if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence) or not devices:
+            raise ShardvarValueError(f"devices must be a non-empty list of devices; got {devices!r:.80}")
+        devices = [check_device(d) for d in devices]
     n = partitions or (len(devices) if devices else (len(inputs) if axis is None else 1))
     if devices is None:
         return [torch.device("cpu")] * n
-    return [torch.device(devices[p % len(devices)]) for p in range(n)]
+    return [devices[p % len(devices)] for p in range(n)]
 
 
 def partitioned_call(
@@ -131,6 +139,24 @@ def partitioned_call(
     return _aggregate(outputs, aggregate, layouts, devs[0])
 
 
+def _check_state(state: Any) -> None:
+    if isinstance(state, Mapping) or not isinstance(state, Sequence) or not state:
+        raise ShardvarValueError(f"state must be a non-empty list with one dict per partition; got {state!r:.80}")
+    for p, partition in enumerate(state):
+        if not isinstance(partition, Mapping):
+            raise ShardvarTypeError(f"state of partition {p} must be a dict of name -> tensor; got {partition!r:.60}")
+        for name, value in partition.items():
+            if not isinstance(name, str) or not _STATE_NAME.match(name):
+                raise ShardvarValueError(
+                    f"state names must be letters, digits, '_', '-' or '.'; got {name!r} in partition {p}"
+                )
+            if not isinstance(value, torch.Tensor):
+                raise ShardvarTypeError(f"state {name!r} of partition {p} must be a tensor; got {type(value).__name__}")
+
+
+_STATE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
 class StatefulPartitionedCall:
     """A partitioned call whose partitions keep state (tensors on their devices) across calls.
 
@@ -158,8 +184,7 @@ class StatefulPartitionedCall:
         aggregate: Aggregate = "concat",
         Tout: Sequence[torch.dtype] | None = None,
     ) -> None:
-        if not state:
-            raise ShardvarValueError("StatefulPartitionedCall needs one state dict per partition; got none")
+        _check_state(state)
         self.fn, self.axis, self.partition_strategy, self.aggregate, self.Tout = (
             fn,
             axis,
@@ -188,8 +213,9 @@ class StatefulPartitionedCall:
                 raise ShardvarValueError(
                     f"partition {p} changed its state's names from {sorted(self.state[p])} to {sorted(st)}"
                 )
-        self.state = new_states  # every partition succeeded: commit all at once
-        return _aggregate(outputs, self.aggregate, layouts, self.devices[0])
+        result = _aggregate(outputs, self.aggregate, layouts, self.devices[0])
+        self.state = new_states  # every partition and the aggregation succeeded: commit all at once
+        return result
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {f"partition{p}.{k}": v for p, s in enumerate(self.state) for k, v in s.items()}
@@ -198,7 +224,7 @@ class StatefulPartitionedCall:
         """Save every partition's state in the checkpoint format."""
         from ..checkpoint import save
 
-        save({k.replace("/", "_"): v for k, v in self.state_dict().items()}, path)
+        save(self.state_dict(), path)
 
     def load(self, path: str | os.PathLike) -> None:
         """Restore every partition's state (checked first: all or nothing)."""

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .._errors import ShardvarDTypeError, ShardvarValueError
+from .._errors import ShardvarDTypeError, ShardvarTypeError, ShardvarValueError
 from .._validate import check_choice, check_int, check_number
 from ..layout import as_ids, check_ids
 from ._autograd import GatherRows, SlabView, gather_local, scatter_grads
@@ -83,6 +83,9 @@ def _source(
     by_rows: bool = False,
 ) -> _Source:
     """Where the op reads: the full slab, or the fetched rows of the distinct ids (``by_rows``)."""
+    if _on_meta(store):  # a table being planned, not filled (device="meta"): results have shapes only
+        weight = torch.empty(store.layout.num_rows, store.width, dtype=store.dtype, device="meta")
+        return _Source(weight, ids, padding_idx, None, False)
     exchange = _exchange(store)
     if exchange is None and store.full_slab is not None and not by_rows:
         rows = store.layout.strategy.storage_rows(store.layout.sizes, ids)
@@ -127,9 +130,17 @@ def _transformed(t: torch.Tensor) -> bool:
     return torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
+def _on_meta(store: ShardStore) -> bool:
+    return bool(store.groups) and store.groups[0].device.type == "meta"
+
+
 def _ids(store: ShardStore, ids: Any) -> torch.Tensor:
     device = store.groups[0].device if store.groups else None
     t = as_ids(ids, device=None if isinstance(ids, torch.Tensor) else device)
+    if _on_meta(store):
+        return t.to("meta")  # shapes only: a meta table holds no values to check ids against
+    if t.is_meta:
+        raise ShardvarTypeError("ids on the meta device hold no values; look up real ids (the table is not on meta)")
     if _exchange(store) is None and not _transformed(t):
         check_ids(t, store.layout.num_rows)  # a distributed lookup agrees on bad ids across ranks
     return t

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .._errors import ShardvarValueError
+from .._validate import check_choice, check_int, check_number
+
 __all__ = ["RowInitializer"]
 
 
@@ -30,6 +33,17 @@ class RowInitializer:
     low: float = -1.0
     high: float = 1.0
     block_rows: int = 4096
+
+    def __post_init__(self) -> None:
+        check_int(self.seed, "seed")
+        check_choice(self.kind, "kind", ("normal", "uniform"))
+        for name in ("mean", "std", "low", "high"):
+            check_number(getattr(self, name), name)
+        if self.std < 0:
+            raise ShardvarValueError(f"std must be >= 0; got {self.std}")
+        if self.kind == "uniform" and not self.low < self.high:
+            raise ShardvarValueError(f"uniform rows need low < high; got low={self.low}, high={self.high}")
+        check_int(self.block_rows, "block_rows", minimum=1)
 
     def _block(self, block: int, row_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + block) % (2**63))

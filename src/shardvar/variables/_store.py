@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .._errors import ShardvarDTypeError, ShardvarValueError
-from ..layout import Layout
+from ..layout import Layout, intersect_progressions
 
 __all__ = ["Group", "ShardStore", "rows_2d"]
 
@@ -112,6 +112,56 @@ def _adopt(shards: list[torch.Tensor]) -> bool:
     return True
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """First and last element offsets of ``t`` within its storage."""
+    lo = t.storage_offset()
+    return lo, lo + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True) if n)
+
+
+def _row_progression(t: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """(row width, first row, row step, rows) when ``t`` is whole rows of a row-major buffer."""
+    width = math.prod(t.shape[1:])
+    inner = torch.empty(t.shape[1:], device="meta").stride() if t.dim() > 1 else ()
+    if t.dim() == 0 or width == 0 or tuple(t.stride()[1:]) != tuple(inner):
+        return None
+    if t.storage_offset() % width or t.stride()[0] % width:
+        return None
+    return width, t.storage_offset() // width, max(t.stride()[0] // width, 1), t.shape[0]
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    pa, pb = _row_progression(a), _row_progression(b)
+    if pa and pb and pa[0] == pb[0]:
+        return intersect_progressions(pa[1:], pb[1:])[2] > 0
+    if a.numel() + b.numel() > 1 << 22:
+        return False  # too big to compare element by element; interleaved layouts this odd are not ours
+    return bool(torch.isin(_addresses(a), _addresses(b)).any())
+
+
+def _addresses(t: torch.Tensor) -> torch.Tensor:
+    out = torch.full(t.shape, t.storage_offset(), dtype=torch.int64)
+    for d, (n, st) in enumerate(zip(t.shape, t.stride(), strict=True)):
+        out += (torch.arange(n) * st).reshape([-1 if i == d else 1 for i in range(t.dim())])
+    return out.reshape(-1)
+
+
+def _check_disjoint(shards: Mapping[int, torch.Tensor]) -> None:
+    """Refuse shards that share memory: a write to one would silently change another."""
+    by_storage: dict[int, list[tuple[int, int, int]]] = {}
+    for s, t in shards.items():
+        ptr = _storage_ptr(t) if t.numel() and t.device.type != "meta" else None
+        if ptr:
+            by_storage.setdefault(ptr, []).append((*_span(t), s))
+    for spans in by_storage.values():
+        active: list[tuple[int, int]] = []  # (last offset, shard) of spans that may reach the next one
+        for lo, hi, b in sorted(spans):
+            active = [(end, a) for end, a in active if end >= lo]
+            for _, a in active:
+                if _overlap(shards[a], shards[b]):
+                    raise ShardvarValueError(f"shards {a} and {b} share memory; each shard must hold its own rows")
+            active.append((hi, b))
+
+
 def _check_shards(shards: Mapping[int, torch.Tensor], layout: Layout, shape: torch.Size) -> torch.dtype:
     dtypes = {t.dtype for t in shards.values()}
     if len(dtypes) > 1:
@@ -120,6 +170,7 @@ def _check_shards(shards: Mapping[int, torch.Tensor], layout: Layout, shape: tor
         expected = layout.shard_shape(shape, s)
         if tuple(t.shape) != expected:
             raise ShardvarValueError(f"shard {s} has shape {list(t.shape)}; layout {layout} expects {list(expected)}")
+    _check_disjoint(shards)
     return dtypes.pop() if dtypes else torch.float32
 
 
