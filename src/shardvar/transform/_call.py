@@ -193,7 +193,8 @@ class StatefulPartitionedCall:
             Tout,
         )
         self.devices = _devices(devices, len(state), None, 0)
-        self.state = [{k: v.to(self.devices[p]) for k, v in dict(s).items()} for p, s in enumerate(state)]
+        # Own copies: partitions given the same tensor (``[state] * n``) must not alias each other.
+        self.state = [{k: v.detach().to(self.devices[p], copy=True) for k, v in s.items()} for p, s in enumerate(state)]
 
     def __call__(self, inputs: Any) -> Any:
         parts, layouts = _split(inputs, self.axis, len(self.state), self.partition_strategy)
