@@ -16,7 +16,40 @@ __all__ = ["DistributedEmbedding", "DistributedEmbeddingBag"]
 
 
 class _Distributed:
-    """What both distributed modules add: the distributed variable (shards are named by global index)."""
+    """What both distributed modules add to the local ones: a store spread over ranks, the variable."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        partitioner: Any = None,
+        partition_strategy: str = "div",
+        *,
+        initializer: RowInitializer | None = None,
+        placement: Sequence[int] | None = None,
+        group: Any = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        dtype: torch.dtype = torch.float32,
+        **options: Any,
+    ) -> None:
+        store = distributed_store(
+            (num_embeddings, embedding_dim),
+            partitioner,
+            partition_strategy=partition_strategy,
+            dtype=dtype,
+            initializer=initializer,
+            placement=placement,
+            group=group,
+            timeout=timeout,
+            name="weight",
+        )
+        super().__init__(num_embeddings, embedding_dim, _store=store, **options)
+        if self.padding_idx is not None:  # as nn.Embedding initialises it; only its owner holds the row
+            shard, row = self.layout.locate([self.padding_idx])
+            local = self.store.local_shards()
+            if int(shard) in local:
+                with torch.no_grad():
+                    local[int(shard)][int(row)].zero_()
 
     @property
     def variable(self) -> DistributedShardedVariable:
@@ -31,93 +64,20 @@ class _Distributed:
     def sharded_variables(self) -> dict[str, DistributedShardedVariable]:
         return {"weight": self.variable}
 
-    def _zero_padding_row(self) -> None:
-        if self.padding_idx is None:
-            return
-        shard, row = self.layout.locate([self.padding_idx])
-        local = self.store.local_shards()
-        if int(shard) in local:
-            with torch.no_grad():
-                local[int(shard)][int(row)].zero_()
-
     def extra_repr(self) -> str:
         comm = self.store.exchange.comm
         return super().extra_repr() + f", rank={comm.rank}/{comm.world}, owned={sorted(self.store.local_shards())}"
-
-
-def _store(num_embeddings: int, embedding_dim: int, partitioner: Any, partition_strategy: str, **kwargs: Any):
-    return distributed_store(
-        (num_embeddings, embedding_dim), partitioner, partition_strategy=partition_strategy, **kwargs
-    )
 
 
 class DistributedEmbedding(_Distributed, ShardedEmbedding):
     """``nn.Embedding`` with rows sharded over ranks; each rank holds and trains only its shards.
 
     Every rank constructs it with the same arguments and calls ``forward`` (and backward) on its
-    own ids. Parameters are this rank's shards, ``shards.<index>``; keep them out of
+    own ids. Parameters are this rank's shards, ``shard_<index>``; keep them out of
     DistributedDataParallel (they are not replicated), e.g. by wrapping only the dense layers.
     Every option of ``ShardedEmbedding`` works (padding_idx, max_norm, scale_grad_by_freq, sparse).
     """
 
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        partitioner: Any = None,
-        partition_strategy: str = "div",
-        *,
-        initializer: RowInitializer | None = None,
-        placement: Sequence[int] | None = None,
-        group: Any = None,
-        timeout: float = DEFAULT_TIMEOUT,
-        dtype: torch.dtype = torch.float32,
-        **options: Any,
-    ) -> None:
-        store = _store(
-            num_embeddings,
-            embedding_dim,
-            partitioner,
-            partition_strategy,
-            dtype=dtype,
-            initializer=initializer,
-            placement=placement,
-            group=group,
-            timeout=timeout,
-            name="weight",
-        )
-        super().__init__(num_embeddings, embedding_dim, _store=store, **options)
-        self._zero_padding_row()
-
 
 class DistributedEmbeddingBag(_Distributed, ShardedEmbeddingBag):
     """``nn.EmbeddingBag`` (sum, mean, max; offsets, per_sample_weights, padding_idx) sharded over ranks."""
-
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        partitioner: Any = None,
-        partition_strategy: str = "div",
-        *,
-        initializer: RowInitializer | None = None,
-        placement: Sequence[int] | None = None,
-        group: Any = None,
-        timeout: float = DEFAULT_TIMEOUT,
-        dtype: torch.dtype = torch.float32,
-        **options: Any,
-    ) -> None:
-        store = _store(
-            num_embeddings,
-            embedding_dim,
-            partitioner,
-            partition_strategy,
-            dtype=dtype,
-            initializer=initializer,
-            placement=placement,
-            group=group,
-            timeout=timeout,
-            name="weight",
-        )
-        super().__init__(num_embeddings, embedding_dim, _store=store, **options)
-        self._zero_padding_row()

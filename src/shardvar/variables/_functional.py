@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .._errors import ShardvarDTypeError, ShardvarTypeError, ShardvarValueError
-from .._validate import check_choice, check_int, check_number
+from .._validate import check_bool, check_choice, check_int, check_number
 from ..layout import as_ids, check_ids
 from ._autograd import GatherRows, SlabView, gather_local, scatter_grads
 from ._store import ShardStore
@@ -164,6 +164,17 @@ def gather(store: ShardStore, ids: Any) -> torch.Tensor:
     return embedding(store, ids)
 
 
+def _prepare(
+    store: ShardStore, ids: Any, padding_idx: Any, max_norm: Any, norm_type: Any, sparse: bool
+) -> tuple[torch.Tensor, int | None, float | None, float]:
+    """Everything a lookup checks before reading: the store, options, ids and padding index."""
+    store.refresh()
+    max_norm, norm_type = _options(store, max_norm, norm_type)
+    ids = _ids(store, ids)
+    _check_sparse(store, check_bool(sparse, "sparse"))
+    return ids, check_padding_idx(padding_idx, store.layout.num_rows), max_norm, norm_type
+
+
 def embedding(
     store: ShardStore,
     ids: Any,
@@ -175,11 +186,7 @@ def embedding(
     sparse: bool = False,
 ) -> torch.Tensor:
     """``F.embedding(ids, table)`` where the table is the store's logical variable (split along axis 0)."""
-    store.refresh()
-    max_norm, norm_type = _options(store, max_norm, norm_type)
-    ids = _ids(store, ids)
-    _check_sparse(store, sparse)
-    padding_idx = check_padding_idx(padding_idx, store.layout.num_rows)
+    ids, padding_idx, max_norm, norm_type = _prepare(store, ids, padding_idx, max_norm, norm_type, sparse)
     src = _source(store, ids.reshape(-1), padding_idx, max_norm, norm_type, sparse)
     out = F.embedding(src.indices, src.weight, src.padding_idx, src.max_norm, norm_type, scale_grad_by_freq, src.sparse)
     return out.reshape(*ids.shape, *store.row_shape)
@@ -246,14 +253,10 @@ def embedding_bag(
     sparse: bool = False,
 ) -> torch.Tensor:
     """``F.embedding_bag`` over the store's logical ``[rows, dim]`` table; everything is checked first."""
-    store.refresh()
     check_choice(mode, "mode", BAG_MODES)
-    max_norm, norm_type = _options(store, max_norm, norm_type)
-    ids = _ids(store, ids)
-    _check_sparse(store, sparse)
+    ids, padding_idx, max_norm, norm_type = _prepare(store, ids, padding_idx, max_norm, norm_type, sparse)
     offsets = _check_bag(ids, offsets, include_last_offset)
     weights = _check_weights(per_sample_weights, ids, mode, store.dtype)
-    padding_idx = check_padding_idx(padding_idx, store.layout.num_rows)
     # torch has no sparse gradient for max bags; fetched rows give each shard a sparse one anyway.
     by_rows = sparse and mode == "max"
     src = _source(store, ids.reshape(-1), padding_idx, max_norm, norm_type, sparse, by_rows)

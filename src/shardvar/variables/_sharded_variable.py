@@ -198,31 +198,6 @@ class ShardedVariable(TensorMethods):
         """Rows ``indices`` (any shape), in the order asked: shape ``indices.shape + row_shape``."""
         return _update.sparse_read(self.store, indices)
 
-    def scatter_add(self, indices: Any, updates: Any) -> ShardedVariable:
-        """Add ``updates`` to rows ``indices`` (duplicates accumulate)."""
-        _update.scatter(self.store, "scatter_add", indices, updates)
-        return self
-
-    def scatter_sub(self, indices: Any, updates: Any) -> ShardedVariable:
-        _update.scatter(self.store, "scatter_sub", indices, updates)
-        return self
-
-    def scatter_mul(self, indices: Any, updates: Any) -> ShardedVariable:
-        _update.scatter(self.store, "scatter_mul", indices, updates)
-        return self
-
-    def scatter_div(self, indices: Any, updates: Any) -> ShardedVariable:
-        _update.scatter(self.store, "scatter_div", indices, updates)
-        return self
-
-    def scatter_min(self, indices: Any, updates: Any) -> ShardedVariable:
-        _update.scatter(self.store, "scatter_min", indices, updates)
-        return self
-
-    def scatter_max(self, indices: Any, updates: Any) -> ShardedVariable:
-        _update.scatter(self.store, "scatter_max", indices, updates)
-        return self
-
     def scatter_update(self, indices: Any, updates: Any) -> ShardedVariable:
         """Overwrite rows ``indices`` with ``updates``; for a duplicated id the last update wins."""
         _update.scatter(self.store, "scatter_update", indices, updates)
@@ -232,3 +207,24 @@ class ShardedVariable(TensorMethods):
         """``scatter_update`` with optional batch dimensions before the sharded axis."""
         _update.batch_scatter_update(self.store, indices, updates)
         return self
+
+
+def _scatter_method(op: str, doc: str):
+    def method(self: ShardedVariable, indices: Any, updates: Any) -> ShardedVariable:
+        _update.scatter(self.store, op, indices, updates)
+        return self
+
+    method.__name__ = method.__qualname__ = op
+    method.__doc__ = doc
+    return method
+
+
+for _op, _doc in {
+    "scatter_add": "Add ``updates`` to rows ``indices`` (duplicates accumulate).",
+    "scatter_sub": "Subtract ``updates`` from rows ``indices`` (duplicates accumulate).",
+    "scatter_mul": "Multiply rows ``indices`` by ``updates`` (duplicates multiply).",
+    "scatter_div": "Divide rows ``indices`` by ``updates`` (duplicates divide by each; integers by zero raise).",
+    "scatter_min": "Rows ``indices`` become the minimum of themselves and ``updates``.",
+    "scatter_max": "Rows ``indices`` become the maximum of themselves and ``updates``.",
+}.items():
+    setattr(ShardedVariable, _op, _scatter_method(_op, _doc))

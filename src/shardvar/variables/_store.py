@@ -147,14 +147,16 @@ def _addresses(t: torch.Tensor) -> torch.Tensor:
 
 def _check_disjoint(shards: Mapping[int, torch.Tensor]) -> None:
     """Refuse shards that share memory: a write to one would silently change another."""
-    by_storage: dict[int, list[tuple[int, int, int]]] = {}
+    by_storage: dict[int, list[int]] = {}
     for s, t in shards.items():
-        ptr = _storage_ptr(t) if t.numel() and t.device.type != "meta" else None
+        ptr = _storage_ptr(t) if math.prod(t.shape) and t.device.type != "meta" else None
         if ptr:
-            by_storage.setdefault(ptr, []).append((*_span(t), s))
-    for spans in by_storage.values():
+            by_storage.setdefault(ptr, []).append(s)
+    for members in by_storage.values():
+        if len(members) < 2:
+            continue  # a shard alone in its memory (only its pointer was read)
         active: list[tuple[int, int]] = []  # (last offset, shard) of spans that may reach the next one
-        for lo, hi, b in sorted(spans):
+        for lo, hi, b in sorted((*_span(shards[s]), s) for s in members):
             active = [(end, a) for end, a in active if end >= lo]
             for _, a in active:
                 if _overlap(shards[a], shards[b]):
