@@ -192,6 +192,8 @@ class ModStrategy(Strategy):
         # Shard s starts at s*q + min(s, r); pure arithmetic (no gather), bit operations when n is a
         # power of two: this runs on every lookup of a mod table.
         n = len(sizes)
+        if n == 1:
+            return ids
         q, r = divmod(sum(sizes), n)
         if n & (n - 1) == 0:
             shard, row = ids & (n - 1), ids >> (n.bit_length() - 1)

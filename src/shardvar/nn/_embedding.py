@@ -111,11 +111,13 @@ class _ShardedTable(nn.Module):
     @property
     def store(self) -> ShardStore:
         """The store over this module's shard parameters (rebuilt if they were replaced or moved)."""
-        params = self._shard_params()
-        current = self._store.local_shards()
-        if params.keys() != current.keys() or any(params[s] is not t for s, t in current.items()):
-            exchange = self._store.exchange
-            self._store = ShardStore(self.layout, self._store.shape, params)
+        registered = self._parameters
+        if self.__dict__.get("_registered_store") is not self._store:
+            self._registered = [(f"shard_{s}", t) for s, t in self._store.local_shards().items()]
+            self._registered_store = self._store
+        if any(registered.get(name) is not t for name, t in self._registered):
+            exchange = self._store.exchange  # a shard Parameter was replaced: rebuild over the new ones
+            self._store = ShardStore(self.layout, self._store.shape, self._shard_params())
             self._store.exchange = exchange
         return self._store.refresh()
 

@@ -26,6 +26,9 @@ from ..layout import Layout, intersect_progressions
 __all__ = ["Group", "ShardStore", "rows_2d"]
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _use_count(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
@@ -257,9 +260,11 @@ class ShardStore:
         self._signature = self._current_signature()
         self._routes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _current_signature(self) -> tuple:
-        # Storage pointer and offset rather than data_ptr(): reading them touches no data.
-        return tuple((_storage_ptr(t), id(t), t.dtype) for t in self._shards.values())
+    def _current_signature(self) -> list:
+        # Where each shard's data lives: it moves with param.data = ..., module.to(...), set_(...).
+        # data_ptr() is one cheap call for plain tensors; subclasses (which may intercept it) and
+        # tensors without storage are identified by their storage instead.
+        return [t.data_ptr() if type(t) in _PLAIN else (_storage_ptr(t), id(t)) for t in self._shards.values()]
 
     def refresh(self) -> ShardStore:
         """Rebuild the slabs if a shard's memory changed (``param.data = ...``, ``module.to(...)``)."""
