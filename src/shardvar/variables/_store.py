@@ -29,6 +29,15 @@ __all__ = ["Group", "ShardStore", "rows_2d"]
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def _where(t: torch.Tensor) -> object:
+    if type(t) in _PLAIN:
+        try:
+            return t.data_ptr()
+        except RuntimeError:  # a tensor without storage (a torch.func wrapper)
+            return id(t)
+    return _storage_ptr(t), id(t)
+
+
 def _use_count(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
@@ -264,7 +273,7 @@ class ShardStore:
         # Where each shard's data lives: it moves with param.data = ..., module.to(...), set_(...).
         # data_ptr() is one cheap call for plain tensors; subclasses (which may intercept it) and
         # tensors without storage are identified by their storage instead.
-        return [t.data_ptr() if type(t) in _PLAIN else (_storage_ptr(t), id(t)) for t in self._shards.values()]
+        return [_where(t) for t in self._shards.values()]
 
     def refresh(self) -> ShardStore:
         """Rebuild the slabs if a shard's memory changed (``param.data = ...``, ``module.to(...)``)."""
