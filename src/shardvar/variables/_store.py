@@ -21,30 +21,10 @@ from typing import Any
 import torch
 
 from .._errors import ShardvarDTypeError, ShardvarValueError
-from ..layout import Layout, intersect_progressions
+from ..layout import Layout
+from ._memory import adopt, as_slab, check_disjoint, where
 
 __all__ = ["Group", "ShardStore", "rows_2d"]
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-def _where(t: torch.Tensor) -> object:
-    if type(t) in _PLAIN:
-        try:
-            return t.data_ptr()
-        except RuntimeError:  # a tensor without storage (a torch.func wrapper)
-            return id(t)
-    return _storage_ptr(t), id(t)
-
-
-def _use_count(t: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
-_PROBE = torch.empty(1)
-_BASE_USE = _use_count(_PROBE)  # the count of a tensor that nothing else shares memory with
-del _PROBE
 
 
 def rows_2d(shard: torch.Tensor, axis: int) -> torch.Tensor:
@@ -64,118 +44,6 @@ class Group:
     slab: torch.Tensor | None  # [rows, width] over the members' memory; None: a lone shard read as is
 
 
-def _storage_ptr(t: torch.Tensor) -> int | None:
-    """The address of the tensor's storage, or None for tensors without one (torch.func wrappers, fakes)."""
-    try:
-        return t.untyped_storage().data_ptr()
-    except (NotImplementedError, RuntimeError):
-        return None
-
-
-def _as_slab(shards: list[torch.Tensor]) -> torch.Tensor | None:
-    """A ``[rows, width]`` tensor over the shards' memory when they lie back to back in it, in order."""
-    first = shards[0]
-    if first.dim() == 0 or first.layout != torch.strided or first.device.type == "meta":
-        return None
-    if _storage_ptr(first) is None:
-        return None
-    ptr, offset = first.untyped_storage().data_ptr(), first.storage_offset()
-    for s in shards:
-        if s.dtype != first.dtype or not s.is_contiguous() or s.storage_offset() != offset:
-            return None
-        if s.untyped_storage().data_ptr() != ptr:
-            return None
-        offset += math.prod(s.shape)
-    rows = sum(s.shape[0] for s in shards)
-    width = math.prod(first.shape[1:])
-    slab = torch.empty(0, dtype=first.dtype, device=first.device)
-    return slab.set_(first.untyped_storage(), first.storage_offset(), (rows, width), (width, 1))
-
-
-def _adoptable(t: torch.Tensor) -> bool:
-    # Re-pointing a tensor is invisible to its owner only if nothing else sees its memory: no
-    # view of it, no base it views, no autograd graph that saved it. Tensor subclasses keep their
-    # own semantics, so only plain tensors and Parameters are moved.
-    return (
-        type(t) in (torch.Tensor, torch.nn.Parameter)
-        and t._base is None
-        and (t.is_leaf or not t.requires_grad)
-        and not t.is_inference()
-        and t.layout == torch.strided
-        and t.device.type != "meta"
-        and _storage_ptr(t) is not None
-        and _use_count(t) == _BASE_USE
-    )
-
-
-def _adopt(shards: list[torch.Tensor]) -> bool:
-    """Move same-device shards into one new allocation, back to back; False when not safe."""
-    if len({id(s) for s in shards}) != len(shards) or not all(_adoptable(s) for s in shards):
-        return False
-    first = shards[0]
-    slab = torch.empty((sum(s.shape[0] for s in shards), *first.shape[1:]), dtype=first.dtype, device=first.device)
-    with torch.no_grad():
-        start = 0
-        for s in shards:
-            piece = slab.narrow(0, start, s.shape[0])
-            piece.copy_(s)
-            s.set_(slab.untyped_storage(), piece.storage_offset(), s.shape, piece.stride())
-            start += s.shape[0]
-    return True
-
-
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """First and last element offsets of ``t`` within its storage."""
-    lo = t.storage_offset()
-    return lo, lo + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True) if n)
-
-
-def _row_progression(t: torch.Tensor) -> tuple[int, int, int, int] | None:
-    """(row width, first row, row step, rows) when ``t`` is whole rows of a row-major buffer."""
-    width = math.prod(t.shape[1:])
-    inner = torch.empty(t.shape[1:], device="meta").stride() if t.dim() > 1 else ()
-    if t.dim() == 0 or width == 0 or tuple(t.stride()[1:]) != tuple(inner):
-        return None
-    if t.storage_offset() % width or t.stride()[0] % width:
-        return None
-    return width, t.storage_offset() // width, max(t.stride()[0] // width, 1), t.shape[0]
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    pa, pb = _row_progression(a), _row_progression(b)
-    if pa and pb and pa[0] == pb[0]:
-        return intersect_progressions(pa[1:], pb[1:])[2] > 0
-    if a.numel() + b.numel() > 1 << 22:
-        return False  # too big to compare element by element; interleaved layouts this odd are not ours
-    return bool(torch.isin(_addresses(a), _addresses(b)).any())
-
-
-def _addresses(t: torch.Tensor) -> torch.Tensor:
-    out = torch.full(t.shape, t.storage_offset(), dtype=torch.int64)
-    for d, (n, st) in enumerate(zip(t.shape, t.stride(), strict=True)):
-        out += (torch.arange(n) * st).reshape([-1 if i == d else 1 for i in range(t.dim())])
-    return out.reshape(-1)
-
-
-def _check_disjoint(shards: Mapping[int, torch.Tensor]) -> None:
-    """Refuse shards that share memory: a write to one would silently change another."""
-    by_storage: dict[int, list[int]] = {}
-    for s, t in shards.items():
-        ptr = _storage_ptr(t) if math.prod(t.shape) and t.device.type != "meta" else None
-        if ptr:
-            by_storage.setdefault(ptr, []).append(s)
-    for members in by_storage.values():
-        if len(members) < 2:
-            continue  # a shard alone in its memory (only its pointer was read)
-        active: list[tuple[int, int]] = []  # (last offset, shard) of spans that may reach the next one
-        for lo, hi, b in sorted((*_span(shards[s]), s) for s in members):
-            active = [(end, a) for end, a in active if end >= lo]
-            for _, a in active:
-                if _overlap(shards[a], shards[b]):
-                    raise ShardvarValueError(f"shards {a} and {b} share memory; each shard must hold its own rows")
-            active.append((hi, b))
-
-
 def _check_shards(shards: Mapping[int, torch.Tensor], layout: Layout, shape: torch.Size) -> torch.dtype:
     dtypes = {t.dtype for t in shards.values()}
     if len(dtypes) > 1:
@@ -184,7 +52,7 @@ def _check_shards(shards: Mapping[int, torch.Tensor], layout: Layout, shape: tor
         expected = layout.shard_shape(shape, s)
         if tuple(t.shape) != expected:
             raise ShardvarValueError(f"shard {s} has shape {list(t.shape)}; layout {layout} expects {list(expected)}")
-    _check_disjoint(shards)
+    check_disjoint(shards)
     return dtypes.pop() if dtypes else torch.float32
 
 
@@ -257,9 +125,9 @@ class ShardStore:
             by_device.setdefault(t.device, []).append(s)
         for device, members in by_device.items():
             tensors = [self._shards[s] for s in members]
-            slab = _as_slab(tensors) if self.layout.axis == 0 else None
-            if slab is None and self.layout.axis == 0 and self.adopt and _adopt(tensors):
-                slab = _as_slab(tensors)
+            slab = as_slab(tensors) if self.layout.axis == 0 else None
+            if slab is None and self.layout.axis == 0 and self.adopt and adopt(tensors):
+                slab = as_slab(tensors)
             if slab is not None:
                 groups.append(Group(device, tuple(members), _running(self.layout, members), slab.shape[0], slab))
                 continue
@@ -273,7 +141,7 @@ class ShardStore:
         # Where each shard's data lives: it moves with param.data = ..., module.to(...), set_(...).
         # data_ptr() is one cheap call for plain tensors; subclasses (which may intercept it) and
         # tensors without storage are identified by their storage instead.
-        return [_where(t) for t in self._shards.values()]
+        return [where(t) for t in self._shards.values()]
 
     def refresh(self) -> ShardStore:
         """Rebuild the slabs if a shard's memory changed (``param.data = ...``, ``module.to(...)``)."""

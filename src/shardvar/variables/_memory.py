@@ -1,0 +1,149 @@
+"""Where shard memory lives: slabs over consecutive shards, moving shards into one, and overlaps.
+
+Pure functions over tensors' storage metadata (pointers, offsets, strides); the store decides
+when to call them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+from .._errors import ShardvarValueError
+from ..layout import intersect_progressions
+
+__all__ = ["as_slab", "adopt", "check_disjoint", "storage_ptr", "where"]
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def where(t: torch.Tensor) -> object:
+    if type(t) in _PLAIN:
+        try:
+            return t.data_ptr()
+        except RuntimeError:  # a tensor without storage (a torch.func wrapper)
+            return id(t)
+    return storage_ptr(t), id(t)
+
+
+def _use_count(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+_PROBE = torch.empty(1)
+_BASE_USE = _use_count(_PROBE)  # the count of a tensor that nothing else shares memory with
+del _PROBE
+
+
+def storage_ptr(t: torch.Tensor) -> int | None:
+    """The address of the tensor's storage, or None for tensors without one (torch.func wrappers, fakes)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
+def as_slab(shards: list[torch.Tensor]) -> torch.Tensor | None:
+    """A ``[rows, width]`` tensor over the shards' memory when they lie back to back in it, in order."""
+    first = shards[0]
+    if first.dim() == 0 or first.layout != torch.strided or first.device.type == "meta":
+        return None
+    if storage_ptr(first) is None:
+        return None
+    ptr, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for s in shards:
+        if s.dtype != first.dtype or not s.is_contiguous() or s.storage_offset() != offset:
+            return None
+        if s.untyped_storage().data_ptr() != ptr:
+            return None
+        offset += math.prod(s.shape)
+    rows = sum(s.shape[0] for s in shards)
+    width = math.prod(first.shape[1:])
+    slab = torch.empty(0, dtype=first.dtype, device=first.device)
+    return slab.set_(first.untyped_storage(), first.storage_offset(), (rows, width), (width, 1))
+
+
+def _adoptable(t: torch.Tensor) -> bool:
+    # Re-pointing a tensor is invisible to its owner only if nothing else sees its memory: no
+    # view of it, no base it views, no autograd graph that saved it. Tensor subclasses keep their
+    # own semantics, so only plain tensors and Parameters are moved.
+    return (
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t._base is None
+        and (t.is_leaf or not t.requires_grad)
+        and not t.is_inference()
+        and t.layout == torch.strided
+        and t.device.type != "meta"
+        and storage_ptr(t) is not None
+        and _use_count(t) == _BASE_USE
+    )
+
+
+def adopt(shards: list[torch.Tensor]) -> bool:
+    """Move same-device shards into one new allocation, back to back; False when not safe."""
+    if len({id(s) for s in shards}) != len(shards) or not all(_adoptable(s) for s in shards):
+        return False
+    first = shards[0]
+    slab = torch.empty((sum(s.shape[0] for s in shards), *first.shape[1:]), dtype=first.dtype, device=first.device)
+    with torch.no_grad():
+        start = 0
+        for s in shards:
+            piece = slab.narrow(0, start, s.shape[0])
+            piece.copy_(s)
+            s.set_(slab.untyped_storage(), piece.storage_offset(), s.shape, piece.stride())
+            start += s.shape[0]
+    return True
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """First and last element offsets of ``t`` within its storage."""
+    lo = t.storage_offset()
+    return lo, lo + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True) if n)
+
+
+def _row_progression(t: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """(row width, first row, row step, rows) when ``t`` is whole rows of a row-major buffer."""
+    width = math.prod(t.shape[1:])
+    inner = torch.empty(t.shape[1:], device="meta").stride() if t.dim() > 1 else ()
+    if t.dim() == 0 or width == 0 or tuple(t.stride()[1:]) != tuple(inner):
+        return None
+    if t.storage_offset() % width or t.stride()[0] % width:
+        return None
+    return width, t.storage_offset() // width, max(t.stride()[0] // width, 1), t.shape[0]
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    pa, pb = _row_progression(a), _row_progression(b)
+    if pa and pb and pa[0] == pb[0]:
+        return intersect_progressions(pa[1:], pb[1:])[2] > 0
+    if a.numel() + b.numel() > 1 << 22:
+        return False  # too big to compare element by element; interleaved layouts this odd are not ours
+    return bool(torch.isin(_addresses(a), _addresses(b)).any())
+
+
+def _addresses(t: torch.Tensor) -> torch.Tensor:
+    out = torch.full(t.shape, t.storage_offset(), dtype=torch.int64)
+    for d, (n, st) in enumerate(zip(t.shape, t.stride(), strict=True)):
+        out += (torch.arange(n) * st).reshape([-1 if i == d else 1 for i in range(t.dim())])
+    return out.reshape(-1)
+
+
+def check_disjoint(shards: Mapping[int, torch.Tensor]) -> None:
+    """Refuse shards that share memory: a write to one would silently change another."""
+    by_storage: dict[int, list[int]] = {}
+    for s, t in shards.items():
+        ptr = storage_ptr(t) if math.prod(t.shape) and t.device.type != "meta" else None
+        if ptr:
+            by_storage.setdefault(ptr, []).append(s)
+    for members in by_storage.values():
+        if len(members) < 2:
+            continue  # a shard alone in its memory (only its pointer was read)
+        active: list[tuple[int, int]] = []  # (last offset, shard) of spans that may reach the next one
+        for lo, hi, b in sorted((*_span(shards[s]), s) for s in members):
+            active = [(end, a) for end, a in active if end >= lo]
+            for _, a in active:
+                if _overlap(shards[a], shards[b]):
+                    raise ShardvarValueError(f"shards {a} and {b} share memory; each shard must hold its own rows")
+            active.append((hi, b))
