@@ -9,6 +9,7 @@ it into its shards' gradients (dense, or sparse COO) exactly as a local lookup d
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,7 +18,16 @@ from .._errors import ShardvarIndexError
 from ..variables import ShardStore, functional
 from ._comm import Comm
 
-__all__ = ["Exchange"]
+__all__ = ["Exchange", "RowOptions"]
+
+
+@dataclass(frozen=True)
+class RowOptions:
+    """How the owners serve rows: sparse shard gradients, and nn.Embedding's max_norm renormalising."""
+
+    sparse: bool = False
+    max_norm: float | None = None
+    norm_type: float = 2.0
 
 
 class Exchange:
@@ -39,7 +49,7 @@ class Exchange:
         self, store: ShardStore, ids: torch.Tensor, *, sparse: bool, max_norm: float | None, norm_type: float
     ) -> torch.Tensor:
         """Rows ``ids`` (1-D, any order, duplicates allowed) as ``[len(ids), width]``. Collective."""
-        options = (sparse, max_norm, norm_type)
+        options = RowOptions(sparse, max_norm, norm_type)
         shards = store.local_shards().values()
         return _ExchangeRows.apply(self, store, ids.to(self.comm.device), options, self.anchor, *shards)[0]
 
@@ -81,12 +91,16 @@ def _send_ids(ex: Exchange, store: ShardStore, ids: torch.Tensor) -> tuple[torch
 class _ExchangeRows(torch.autograd.Function):
     @staticmethod
     def forward(
-        ex: Exchange, store: ShardStore, ids: torch.Tensor, options: tuple, anchor: torch.Tensor, *shards: torch.Tensor
+        ex: Exchange,
+        store: ShardStore,
+        ids: torch.Tensor,
+        options: RowOptions,
+        anchor: torch.Tensor,
+        *shards: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        _, max_norm, norm_type = options
         order, recv_ids, send_list, recv_list = _send_ids(ex, store, ids)
-        if max_norm is not None and recv_ids.numel():
-            functional.renorm(store, torch.unique(recv_ids), max_norm, norm_type)
+        if options.max_norm is not None and recv_ids.numel():
+            functional.renorm(store, torch.unique(recv_ids), options.max_norm, options.norm_type)
         local = functional.gather_local(store, recv_ids, ids.device) if recv_ids.numel() else None
         width = store.width
         if local is None:
@@ -101,7 +115,7 @@ class _ExchangeRows(torch.autograd.Function):
         ex, store, _, options = inputs[:4]
         _, order, recv_ids, send_list, recv_list = output
         ctx.save_for_backward(order, recv_ids)
-        ctx.ex, ctx.store, ctx.sparse = ex, store, options[0]
+        ctx.ex, ctx.store, ctx.sparse = ex, store, options.sparse
         ctx.counts = (send_list.tolist(), recv_list.tolist())
         ctx.mark_non_differentiable(order, recv_ids, send_list, recv_list)
 
