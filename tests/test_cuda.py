@@ -53,8 +53,8 @@ def test_training_on_the_gpu_matches_nn_embedding_bag(sparse) -> None:
     )
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
     opt = torch.optim.SGD(sharded.parameters(), lr=0.5)
-    for step in range(5):
-        ids = torch.randint(0, 500, (64, 5), device="cuda", generator=None)
+    for _ in range(5):
+        ids = torch.randint(0, 500, (64, 5), device="cuda")
         for module, o in ((ref, opt_ref), (sharded, opt)):
             o.zero_grad()
             module(ids).pow(2).sum().backward()
