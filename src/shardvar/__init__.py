@@ -13,7 +13,7 @@ from ._errors import (
     ShardvarTypeError,
     ShardvarValueError,
 )
-from .checkpoint import CheckpointError, load, read_shard, reshard, save
+from .checkpoint import CheckpointError, CheckpointIOError, load, read_shard, read_shards, reshard, save
 from .distributed import DistributedEmbedding, DistributedShardedVariable
 from .layout import Layout, SlicePlan, ceil_sizes
 from .nn import ShardedEmbedding, ShardedEmbeddingBag
@@ -51,6 +51,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "CheckpointIOError",
     "DistributedEmbedding",
     "DistributedShardedVariable",
     "FixedShardsPartitioner",
@@ -87,6 +88,7 @@ __all__ = [
     "partitioned_call",
     "plan",
     "read_shard",
+    "read_shards",
     "reshard",
     "safe_embedding_lookup_sparse",
     "save",

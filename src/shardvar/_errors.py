@@ -14,6 +14,8 @@ __all__ = [
     "ShardvarIntegerError",
     "ShardvarDTypeError",
     "ShardvarDistributedError",
+    "CheckpointError",
+    "CheckpointIOError",
 ]
 
 
@@ -50,3 +52,11 @@ class ShardvarDTypeError(ShardvarTypeError, ShardvarValueError):
 
 class ShardvarDistributedError(ShardvarError, RuntimeError):
     """A collective failed or timed out (a peer rank died or hung), or ranks disagree."""
+
+
+class CheckpointError(ShardvarError, ValueError):
+    """A checkpoint is missing, damaged, or does not match the objects it is loaded into."""
+
+
+class CheckpointIOError(CheckpointError, OSError):
+    """Reading or writing a checkpoint's files failed (disk full, permissions, a lock held too long)."""

@@ -1,11 +1,14 @@
 """The checkpoint manifest: what each logical variable is and where its pieces lie.
 
-See docs/checkpoint-format.md. Reading validates everything a restore relies on, so a damaged
-or hostile manifest fails here with a message naming the file and the variable.
+See docs/checkpoint-format.md. The manifest carries a sha256 of its own canonical JSON, so a
+changed byte anywhere refuses to load; reading validates the whole document against the format
+(types, ranges, consistency) before anything is allocated, with a message naming the file and
+the variable.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -15,21 +18,20 @@ from typing import Any
 
 import torch
 
-from .._errors import ShardvarError
+from .._errors import CheckpointError, ShardvarError
 from ..layout import Layout
+from ._files import open_regular
 from ._safetensors import DTYPE_CODES, StoredTensor
 
 __all__ = ["CheckpointError", "Piece", "VariableEntry", "Manifest", "MANIFEST", "FORMAT", "VERSION"]
 
 MANIFEST = "manifest.json"
 FORMAT = "shardvar-checkpoint"
-VERSION = 1
-_FILE_NAME = re.compile(r"^[A-Za-z0-9_.-]+\.safetensors$")
+VERSION = 2
+MAX_MANIFEST_BYTES = 256 << 20
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*\.safetensors$")
 _DTYPES = {str(d).removeprefix("torch."): d for d in DTYPE_CODES}
-
-
-class CheckpointError(ShardvarError, ValueError):
-    """A checkpoint is missing, damaged, or does not match the objects it is loaded into."""
+_BIG = 1 << 62  # no size, offset or count in a real checkpoint comes near this
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,19 @@ class Piece:
 
     def stored(self, dtype: torch.dtype) -> StoredTensor:
         return StoredTensor(self.key, self.shape, dtype, self.begin, self.chunk_rows, self.crc32)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "file": self.file,
+            "key": self.key,
+            "start": self.start,
+            "step": self.step,
+            "count": self.count,
+            "shape": list(self.shape),
+            "begin": self.begin,
+            "chunk_rows": self.chunk_rows,
+            "crc32": list(self.crc32),
+        }
 
 
 @dataclass(frozen=True)
@@ -75,8 +90,8 @@ class Manifest:
     def files(self) -> set[str]:
         return {p.file for v in self.variables.values() for p in v.pieces}
 
-    def to_json(self) -> str:
-        out = {
+    def _body(self) -> dict[str, Any]:
+        return {
             "format": FORMAT,
             "version": VERSION,
             "save_id": self.save_id,
@@ -85,93 +100,156 @@ class Manifest:
                 name: {
                     "dtype": str(v.dtype).removeprefix("torch."),
                     "shape": list(v.shape),
-                    "layout": None
-                    if v.layout is None
-                    else {"strategy": v.layout.strategy, "sizes": list(v.layout.sizes), "axis": v.layout.axis},
-                    "pieces": [
-                        {
-                            "file": p.file,
-                            "key": p.key,
-                            "start": p.start,
-                            "step": p.step,
-                            "count": p.count,
-                            "shape": list(p.shape),
-                            "begin": p.begin,
-                            "chunk_rows": p.chunk_rows,
-                            "crc32": list(p.crc32),
-                        }
-                        for p in v.pieces
-                    ],
+                    "layout": None if v.layout is None else v.layout.to_json(),
+                    "pieces": [p.to_json() for p in v.pieces],
                 }
                 for name, v in self.variables.items()
             },
         }
-        return json.dumps(out, indent=1)
+
+    def to_json(self) -> str:
+        body = self._body()
+        return json.dumps({"checksum": _checksum(body), **body}, indent=1, allow_nan=False)
 
     @classmethod
-    def read(cls, directory: str | os.PathLike) -> Manifest:
-        """Read and validate ``directory/manifest.json``."""
-        path = Path(directory) / MANIFEST
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise CheckpointError(f"no checkpoint at {directory}: {MANIFEST} is missing") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path} does not parse as JSON: {e}") from None
-        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-            raise CheckpointError(f'{path} is not a shardvar checkpoint manifest (no "format": {FORMAT!r})')
-        if raw.get("version") != VERSION:
-            raise CheckpointError(f"{path} has format version {raw.get('version')!r}; this shardvar reads {VERSION}")
-        try:
-            variables = {name: _variable(name, v) for name, v in raw["variables"].items()}
-        except CheckpointError:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise CheckpointError(f"{path} is malformed: {type(e).__name__}: {e}") from None
-        return cls(variables, raw.get("extra") or {}, str(raw.get("save_id", "")))
+    def read(cls, directory: str | Path) -> Manifest:
+        """Read, verify and validate ``directory/manifest.json`` (a path to the file itself works too)."""
+        path = Path(directory)
+        if path.name == MANIFEST and not path.is_dir():
+            path = path.parent
+        return parse(_load_json(path / MANIFEST), path / MANIFEST)
 
 
-def _variable(name: str, v: dict) -> VariableEntry:
-    dtype = _DTYPES.get(v["dtype"])
+def _checksum(body: dict[str, Any]) -> str:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=True)
+    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a manifest may hold")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
+    return dict(pairs)
+
+
+def _load_json(path: Path) -> Any:
+    with open_regular(path, f"no checkpoint at {path.parent}: {MANIFEST}") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise CheckpointError(f"{path} is {size} bytes; a manifest holds at most {MAX_MANIFEST_BYTES}")
+        raw = f.read()
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_no_constants, object_pairs_hook=_unique_keys)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path} does not parse as JSON: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def parse(raw: Any, path: Path) -> Manifest:
+    """The manifest ``raw`` (parsed JSON) describes, after checking its checksum and every field."""
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        raise CheckpointError(f'{path} is not a shardvar checkpoint manifest (no "format": {FORMAT!r})')
+    if raw.get("version") != VERSION:
+        raise CheckpointError(
+            f"{path} has format version {raw.get('version')!r:.40}; this shardvar reads version {VERSION} "
+            "(version 1 manifests carry no checksum: re-save them with the shardvar that wrote them)"
+        )
+    body = {k: v for k, v in raw.items() if k != "checksum"}
+    if raw.get("checksum") != _checksum(body):
+        raise CheckpointError(f"{path} is damaged: its checksum does not match its contents; refusing to load it")
+    _check_keys(raw, {"checksum", "format", "version", "save_id", "extra", "variables"}, str(path))
+    save_id, extra, variables = raw["save_id"], raw["extra"], raw["variables"]
+    if not isinstance(save_id, str) or not re.fullmatch(r"[0-9a-f]{0,64}", save_id):
+        raise CheckpointError(f"{path}: save_id must be a hex string; got {save_id!r:.80}")
+    if not isinstance(extra, dict) or not isinstance(variables, dict):
+        raise CheckpointError(f"{path}: 'extra' and 'variables' must be objects")
+    try:
+        entries = {_name(n): _variable(n, v) for n, v in variables.items()}
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    return Manifest(entries, extra, save_id)
+
+
+def _check_keys(obj: Any, keys: set[str], where: str) -> dict:
+    if not isinstance(obj, dict) or set(obj) != keys:
+        got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+        raise CheckpointError(f"{where} must have exactly the fields {sorted(keys)}; got {got}")
+    return obj
+
+
+def _name(name: Any) -> str:
+    if not isinstance(name, str) or not name or len(name) > 4096:
+        raise CheckpointError(f"variable names must be non-empty strings; got {name!r:.80}")
+    return name
+
+
+def _int(value: Any, what: str, minimum: int = 0, maximum: int = _BIG) -> int:
+    if type(value) is not int or not minimum <= value <= maximum:
+        raise CheckpointError(f"{what} must be an integer in [{minimum}, {maximum}]; got {value!r:.60}")
+    return value
+
+
+def _ints(value: Any, what: str, minimum: int = 0, maximum: int = _BIG, limit: int = 64) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > limit:
+        raise CheckpointError(f"{what} must be a list of at most {limit} integers; got {value!r:.60}")
+    return tuple(_int(v, what, minimum, maximum) for v in value)
+
+
+def _variable(name: str, v: Any) -> VariableEntry:
+    where = f"variable {name!r}"
+    _check_keys(v, {"dtype", "shape", "layout", "pieces"}, where)
+    dtype = _DTYPES.get(v["dtype"]) if isinstance(v["dtype"], str) else None
     if dtype is None:
-        raise CheckpointError(f"variable {name!r} has unknown dtype {v['dtype']!r}; known: {sorted(_DTYPES)}")
-    shape = tuple(int(d) for d in v["shape"])
+        raise CheckpointError(f"{where} has unknown dtype {v['dtype']!r:.40}; known: {sorted(_DTYPES)}")
+    shape = _ints(v["shape"], f"{where} shape")
     layout = None
     if v["layout"] is not None:
         try:
-            spec = v["layout"]
-            layout = Layout(spec["strategy"], tuple(spec["sizes"]), int(spec["axis"]))
+            layout = Layout.from_json(v["layout"])
             layout.check_shape(shape)
-        except (ShardvarError, KeyError, TypeError) as e:
-            raise CheckpointError(f"variable {name!r} has an invalid layout {v['layout']!r}: {e}") from None
-    pieces = []
-    for p in v["pieces"]:
-        if not isinstance(p["file"], str) or not _FILE_NAME.match(p["file"]) or p["file"].startswith("."):
-            raise CheckpointError(
-                f"variable {name!r} names file {p['file']!r}, which is not a plain file name inside the checkpoint"
-            )
-        pieces.append(
-            Piece(
-                p["file"],
-                str(p["key"]),
-                int(p["start"]),
-                int(p["step"]),
-                int(p["count"]),
-                tuple(int(d) for d in p["shape"]),
-                int(p["chunk_rows"]),
-                tuple(int(c) for c in p["crc32"]),
-                int(p["begin"]),
-            )
-        )
+        except ShardvarError as e:
+            raise CheckpointError(f"{where} has an invalid layout {v['layout']!r:.200}: {e}") from None
+    if not isinstance(v["pieces"], list) or len(v["pieces"]) > (layout.num_shards if layout else 1):
+        raise CheckpointError(f"{where}: pieces must be a list with one piece per saved shard")
+    pieces = [_piece(where, p) for p in v["pieces"]]
     _check_cover(name, shape, layout, pieces)
     return VariableEntry(name, dtype, shape, layout, tuple(pieces))
+
+
+_PIECE_KEYS = {"file", "key", "start", "step", "count", "shape", "begin", "chunk_rows", "crc32"}
+
+
+def _piece(where: str, p: Any) -> Piece:
+    _check_keys(p, _PIECE_KEYS, f"{where}: a piece")
+    if not isinstance(p["file"], str) or not _FILE_NAME.match(p["file"]):
+        raise CheckpointError(
+            f"{where} names file {p['file']!r:.80}, which is not a plain file name inside the checkpoint"
+        )
+    if not isinstance(p["key"], str) or len(p["key"]) > 4096:
+        raise CheckpointError(f"{where}: a piece's key must be a string; got {p['key']!r:.80}")
+    return Piece(
+        p["file"],
+        p["key"],
+        _int(p["start"], f"{where} start"),
+        _int(p["step"], f"{where} step", 1),
+        _int(p["count"], f"{where} count"),
+        _ints(p["shape"], f"{where} piece shape"),
+        _int(p["chunk_rows"], f"{where} chunk_rows", 1),
+        _ints(p["crc32"], f"{where} crc32", 0, 2**32 - 1, limit=1 << 24),
+        _int(p["begin"], f"{where} begin"),
+    )
 
 
 def _check_cover(name: str, shape: tuple[int, ...], layout: Layout | None, pieces: list[Piece]) -> None:
     # One piece per shard of the saved layout, in shard order, each holding that shard's indices.
     if layout is None:
-        if len(pieces) != 1 or pieces[0].shape != shape:
+        if len(shape) != 0 or len(pieces) != 1 or pieces[0].shape != shape:
             raise CheckpointError(f"variable {name!r}: a 0-d variable needs one piece of shape {list(shape)}")
+        if len(pieces[0].crc32) != 1:
+            raise CheckpointError(f"variable {name!r}: a 0-d piece has one checksum")
         return
     if len(pieces) != layout.num_shards:
         raise CheckpointError(
@@ -186,5 +264,5 @@ def _check_cover(name: str, shape: tuple[int, ...], layout: Layout | None, piece
                 f"with shape {list(expected_shape)}"
             )
         rows = p.shape[0] if p.shape else 1
-        if p.chunk_rows < 1 or len(p.crc32) != max(1, -(-rows // p.chunk_rows)):
+        if len(p.crc32) != max(1, -(-rows // p.chunk_rows)):
             raise CheckpointError(f"variable {name!r}, piece {p.key!r}: {len(p.crc32)} checksums for {rows} rows")

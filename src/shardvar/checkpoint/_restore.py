@@ -18,6 +18,7 @@ from typing import BinaryIO
 import torch
 
 from ..layout import Layout, intersect_progressions
+from ._files import open_regular
 from ._manifest import CheckpointError, Piece, VariableEntry
 from ._safetensors import read_chunks
 
@@ -48,10 +49,7 @@ class Files:
     def get(self, name: str, variable: str) -> BinaryIO:
         if name not in self._open:
             path = self.directory / name
-            try:
-                self._open[name] = open(path, "rb")  # noqa: SIM115 (closed in close())
-            except FileNotFoundError:
-                raise CheckpointError(f"file {path} of variable {variable!r} is missing") from None
+            self._open[name] = open_regular(path, f"file {path} of variable {variable!r}")
         return self._open[name]
 
     def size(self, name: str, variable: str) -> int:

@@ -23,19 +23,30 @@ __all__ = ["DTYPE_CODES", "CHUNK_BYTES", "FileWriter", "StoredTensor", "read_chu
 
 CHUNK_BYTES = 4 << 20  # checksum granularity: partial reads verify exactly the chunks they touch
 
-DTYPE_CODES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.complex64: "C64",
+# Every dtype the safetensors format names (its Rust crate and Python package); complex128 has
+# no name there, so it cannot be saved (refused before any file is touched).
+_NAMES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint64": "U64",
+    "uint32": "U32",
+    "uint16": "U16",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "complex64": "C64",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e4m3fnuz": "F8_E4M3FNUZ",
+    "float8_e5m2": "F8_E5M2",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ",
+    "float8_e8m0fnu": "F8_E8M0",
 }
+DTYPE_CODES = {getattr(torch, name): code for name, code in _NAMES.items() if hasattr(torch, name)}
 
 
 @dataclass(frozen=True)
@@ -73,7 +84,7 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 class FileWriter:
     """Streams tensors into one safetensors file whose header (names, shapes, dtypes) is known up front."""
 
-    def __init__(self, path: str, layout: list[tuple[str, tuple[int, ...], torch.dtype]], reuse: bool = False) -> None:
+    def __init__(self, file: BinaryIO, layout: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
         header: dict[str, object] = {}
         offset = 0
         for key, shape, dtype in layout:
@@ -85,9 +96,10 @@ class FileWriter:
         self._start = 8 + len(raw)
         self._pending = list(layout)
         self._header = header
-        # Overwriting an existing file in place is several times faster than allocating a new one
-        # on thin-provisioned and copy-on-write disks; the caller guarantees nothing references it.
-        self._file = open(path, "r+b" if reuse else "wb")  # noqa: SIM115 (closed in close())
+        # ``file`` is new, or a spare overwritten in place (several times faster than allocating a
+        # new file on thin-provisioned and copy-on-write disks; nothing references a spare).
+        self._file = file
+        self._file.seek(0)
         self._file.write(struct.pack("<Q", len(raw)))
         self._file.write(raw)
         self.stored: list[StoredTensor] = []
@@ -111,6 +123,10 @@ class FileWriter:
         stored = StoredTensor(key, shape, dtype, begin, chunk_rows, tuple(crcs))
         self.stored.append(stored)
         return stored
+
+    def abort(self) -> None:
+        """Close without finishing (the caller deletes the file)."""
+        self._file.close()
 
     def close(self) -> None:
         if self._pending:

@@ -1,13 +1,10 @@
-"""What a state dict holds, as named logical variables.
+"""What a state dict holds, as named logical variables, and the one rule that names parameters.
 
-``state_dict`` values may be ShardedVariables, tensors, nn.Modules and torch.optim optimizers.
-A module's sharded parameters (any submodule with a ``sharded_variables()`` or
-``distributed_variables()`` method, such as ShardedEmbedding or DistributedEmbedding) become one
-logical variable each; an optimizer's slot tensors for a sharded parameter (Adam's exp_avg, ...)
-become one logical variable with the parameter's layout, so they reshard with it.
-
-A sharded variable is seen through :class:`Partial`: its layout and the shards this process
-holds (all of them for a ShardedVariable, this rank's for a distributed one).
+``state_dict`` values may be sharded objects, tensors, nn.Modules and torch.optim optimizers.
+A sharded object (``layout``, ``shape``, ``dtype``, ``local_shards()``: a ShardedVariable, a
+distributed one) is one logical variable; a module contributes each ``sharded_variables()`` of
+its submodules (ShardedEmbedding, DistributedEmbedding, ...) as one logical variable and its other
+state_dict entries as tensors. Optimizers are resolved against the parameters so named.
 """
 
 from __future__ import annotations
@@ -18,30 +15,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._errors import ShardvarTypeError
-from ..layout import Layout
-from ..variables import ShardedVariable
+from .._errors import CheckpointError, ShardvarTypeError
 
-__all__ = ["Partial", "State", "as_partial", "resolve", "optimizer_param_names"]
+__all__ = ["Partial", "State", "as_partial", "resolve", "param_names"]
 
 
 @dataclass
 class Partial:
     """A logical variable's layout and the shards of it this process holds, by shard index."""
 
-    layout: Layout
+    layout: Any
     shape: tuple[int, ...]
     dtype: torch.dtype
     shards: dict[int, torch.Tensor]
 
 
 def as_partial(value: Any) -> Partial | None:
-    """A ShardedVariable, or anything with ``layout``, ``shape``, ``dtype`` and ``local_shards()``."""
-    if isinstance(value, ShardedVariable):
-        return Partial(value.layout, tuple(value.shape), value.dtype, value.local_shards())
-    if all(hasattr(value, a) for a in ("layout", "shape", "dtype", "local_shards")):
-        return Partial(value.layout, tuple(value.shape), value.dtype, value.local_shards())
-    return None
+    """A sharded object's view for the checkpoint, or None when ``value`` is not one."""
+    if isinstance(value, torch.Tensor) or not callable(getattr(value, "local_shards", None)):
+        return None
+    if not all(hasattr(value, a) for a in ("layout", "shape", "dtype")):
+        return None
+    return Partial(value.layout, tuple(value.shape), value.dtype, dict(value.local_shards()))
 
 
 @dataclass
@@ -52,24 +47,31 @@ class State:
     param_name: dict[int, str] = field(default_factory=dict)  # id(param) -> logical name
     optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
 
+    def add_variable(self, name: str, value: Partial | torch.Tensor) -> None:
+        if name in self.variables:
+            raise CheckpointError(f"two objects of the state dict are both named {name!r}; rename one")
+        self.variables[name] = value
+        if isinstance(value, Partial):
+            for s, shard in value.shards.items():
+                self.shard_of[id(shard)] = (name, s, value)
+        else:
+            self.param_name[id(value)] = name
+
 
 def _add_module(state: State, key: str, module: nn.Module) -> None:
     for mod_name, sub in module.named_modules():
-        found = {}
-        for method in ("sharded_variables", "distributed_variables"):
-            if hasattr(sub, method):
-                found.update(getattr(sub, method)())
+        found = sub.sharded_variables() if callable(getattr(sub, "sharded_variables", None)) else {}
         for local, value in found.items():
-            name = f"{key}/{mod_name}.{local}" if mod_name else f"{key}/{local}"
-            variable = as_partial(value)
-            state.variables[name] = variable
-            for s, shard in variable.shards.items():
-                state.shard_of[id(shard)] = (name, s, variable)
+            partial = as_partial(value)
+            if partial is None:
+                raise ShardvarTypeError(f"{type(sub).__name__}.sharded_variables()[{local!r}] is not a sharded object")
+            state.add_variable(f"{key}/{mod_name}.{local}" if mod_name else f"{key}/{local}", partial)
     for name, tensor in module.state_dict(keep_vars=True).items():
         if id(tensor) in state.shard_of or f"{key}/{name}" in state.variables:
             continue  # a sharded variable's shards, or its logical form (saved once, as a sharded variable)
-        state.variables[f"{key}/{name}"] = tensor
-        state.param_name[id(tensor)] = f"{key}/{name}"
+        if not isinstance(tensor, torch.Tensor):
+            raise ShardvarTypeError(f"state_dict entry {key}/{name} of the module is a {type(tensor).__name__}")
+        state.add_variable(f"{key}/{name}", tensor)
 
 
 def resolve(state_dict: dict[str, Any]) -> State:
@@ -78,12 +80,14 @@ def resolve(state_dict: dict[str, Any]) -> State:
         raise ShardvarTypeError(f"state_dict must be a dict of name -> object; got {type(state_dict).__name__}")
     state = State()
     for key, obj in state_dict.items():
-        if not isinstance(key, str) or not key or "/" in key:
-            raise ShardvarTypeError(f"state_dict keys must be non-empty strings without '/'; got {key!r}")
+        if not isinstance(key, str) or not key or "/" in key or key.startswith("#"):
+            raise ShardvarTypeError(
+                f"state_dict keys must be non-empty strings without '/', not starting with '#'; got {key!r}"
+            )
         if isinstance(obj, torch.Tensor):
-            state.variables[key] = obj
+            state.add_variable(key, obj)
         elif as_partial(obj) is not None:
-            state.variables[key] = as_partial(obj)
+            state.add_variable(key, as_partial(obj))
         elif isinstance(obj, nn.Module):
             _add_module(state, key, obj)
         elif isinstance(obj, torch.optim.Optimizer):
@@ -96,19 +100,17 @@ def resolve(state_dict: dict[str, Any]) -> State:
     return state
 
 
-def optimizer_param_names(state: State, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """Logical parameter names of each param group (a sharded parameter appears once)."""
+def param_names(state: State, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """The name of every parameter of every param group, the one rule for saving and loading.
+
+    A parameter is named by the logical variable it is (a shard of a sharded variable: the
+    variable's name); one the state dict does not name gets ``#<group>.<index>``, its position.
+    """
     groups = []
-    index = 0
-    for group in optimizer.param_groups:
-        names: list[str] = []
-        for p in group["params"]:
-            if id(p) in state.shard_of:
-                name = state.shard_of[id(p)][0]
-            else:
-                name = state.param_name.get(id(p), f"param{index}")
-            if name not in names:
-                names.append(name)
-            index += 1
+    for g, group in enumerate(optimizer.param_groups):
+        names = []
+        for i, p in enumerate(group["params"]):
+            owner = state.shard_of.get(id(p))
+            names.append(owner[0] if owner else state.param_name.get(id(p), f"#{g}.{i}"))
         groups.append(names)
     return groups

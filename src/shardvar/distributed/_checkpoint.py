@@ -12,8 +12,9 @@ import os
 import uuid
 from typing import Any
 
-from ..checkpoint import _io
-from ..checkpoint._io import STAGING_BYTES, Coordinator, Progress
+from ..checkpoint import STAGING_BYTES, Coordinator, Progress
+from ..checkpoint import load as _load
+from ..checkpoint import save as _save
 from ._comm import DEFAULT_TIMEOUT, Comm
 
 __all__ = ["save", "load"]
@@ -58,7 +59,7 @@ def save(
     ``state_dict`` may hold DistributedShardedVariables, modules with DistributedEmbeddings,
     replicated tensors and modules (written once, by rank 0), and each rank's optimizer.
     """
-    _io.save(state_dict, path, progress=progress, keep_spare=False, coordinator=_coordinator(group, timeout))
+    _save(state_dict, path, progress=progress, keep_spare=False, coordinator=_coordinator(group, timeout))
 
 
 def load(
@@ -74,4 +75,4 @@ def load(
 
     Every rank checks its part first; no rank writes anything unless all of them can.
     """
-    _io.load(state_dict, path, staging_bytes=staging_bytes, progress=progress, coordinator=_coordinator(group, timeout))
+    _load(state_dict, path, staging_bytes=staging_bytes, progress=progress, coordinator=_coordinator(group, timeout))

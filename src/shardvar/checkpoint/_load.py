@@ -1,0 +1,210 @@
+"""load: fill objects from a checkpoint, each in its own layout, all or nothing.
+
+A load holds the directory's lock shared (so no save changes or deletes files under it),
+checks every target against the manifest and every byte it needs against its checksum before
+writing any target, and restores each target shard in its own layout.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._errors import CheckpointError, CheckpointIOError, ShardvarError
+from .._validate import check_int
+from ..layout import Layout
+from ._files import DirectoryLock
+from ._manifest import Manifest, VariableEntry
+from ._optim import check_optimizer
+from ._restore import Files, _check_file, _restore, restore_shard, restore_shards, verify_shards
+from ._state import Partial, State, param_names, resolve
+from ._write import Coordinator, Progress, agree
+
+__all__ = ["load", "STAGING_BYTES", "lookup"]
+
+STAGING_BYTES = 256 << 20
+
+
+@dataclass(eq=False)
+class _Target:
+    entry: VariableEntry
+    layout: Layout | None  # None: restore the whole variable
+    dests: list[tuple[int, torch.Tensor | None]]  # (shard, tensor to fill, or None for a new one)
+
+
+def lookup(manifest: Manifest, name: str, directory: Path) -> VariableEntry:
+    entry = manifest.variables.get(name)
+    if entry is None:
+        near = [n for n in manifest.variables if n.split("/")[0] == name.split("/")[0]][:5]
+        raise CheckpointError(f"variable {name!r} is not in the checkpoint {directory}; it holds e.g. {near}")
+    return entry
+
+
+def _match(entry: VariableEntry, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if entry.shape != shape or entry.dtype != dtype:
+        raise CheckpointError(
+            f"variable {entry.name!r} was saved as {entry.dtype} {list(entry.shape)}; "
+            f"the target is {dtype} {list(shape)}"
+        )
+
+
+def _optimizer_targets(
+    manifest: Manifest, state: State, key: str, optimizer: torch.optim.Optimizer, directory: Path, partial_ok: bool
+) -> tuple[list[_Target], dict[int, dict[str, Any]]]:
+    saved = manifest.extra.get("optimizers", {}).get(key)
+    if saved is None:
+        raise CheckpointError(f"optimizer {key!r} is not in the checkpoint")
+    check_optimizer(saved, state, key, optimizer, partial_ok)
+    names = [n for group in param_names(state, optimizer) for n in group]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    targets, slots = [], {}
+    for i, (p, name) in enumerate(zip(params, names, strict=True)):
+        owner = state.shard_of.get(id(p))
+        for slot in saved["slots"].get(name, []):
+            scalar = saved["scalars"].get(f"{name}/{slot}", _MISSING)
+            if scalar is not _MISSING:
+                slots.setdefault(i, {})[slot] = scalar
+                continue
+            entry = lookup(manifest, f"{key}/{name}/{slot}", directory)
+            if owner is not None and entry.shape == tuple(owner[2].shape):
+                target = _Target(entry, owner[2].layout, [(owner[1], None)])
+            else:
+                target = _Target(entry, None, [(0, None)])
+            targets.append(target)
+            slots.setdefault(i, {})[slot] = target
+    return targets, slots
+
+
+_MISSING = object()
+
+
+def _plan_load(manifest: Manifest, state: State, directory: Path, partial_ok: bool) -> tuple[list[_Target], dict]:
+    targets = []
+    for name, value in state.variables.items():
+        entry = lookup(manifest, name, directory)
+        _match(entry, value.dtype, tuple(value.shape))
+        if isinstance(value, Partial):
+            targets.append(_Target(entry, value.layout, sorted(value.shards.items())))
+        else:
+            targets.append(_Target(entry, None, [(0, value)]))
+    optimizer_plans = {}
+    for key, optimizer in state.optimizers.items():
+        more, slots = _optimizer_targets(manifest, state, key, optimizer, directory, partial_ok)
+        targets += more
+        optimizer_plans[key] = (slots, manifest.extra["optimizers"][key]["param_groups"])
+    return targets, optimizer_plans
+
+
+def _fillable(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    return t is not None and t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
+
+
+def _stage(files: Files, targets: list[_Target], staging_bytes: int, progress: Progress | None) -> dict:
+    """Read (into new tensors) or verify everything the writes will need; write nothing."""
+    for t in targets:
+        for piece in t.entry.pieces:
+            _check_file(files, t.entry, piece)  # sizes agree with the manifest before any allocation
+    staged: dict[int, list[torch.Tensor]] = {}
+    total, done = sum(t.entry.nbytes for t in targets), 0
+    small = total <= staging_bytes or all(d is None for t in targets for _, d in t.dests)
+    for i, t in enumerate(targets):
+        shards = [s for s, _ in t.dests]
+        if small or any(d is None for _, d in t.dests):
+            staged[i] = restore_shards(files, t.entry, t.layout, shards)
+            done += t.entry.nbytes
+            if progress:
+                progress(done, total)
+        else:
+            verify_shards(files, t.entry, t.layout, shards)
+    return staged
+
+
+def _write_targets(files: Files, targets: list[_Target], staged: dict, progress: Progress | None) -> None:
+    total = sum(t.entry.nbytes for t in targets)
+    done = sum(t.entry.nbytes for i, t in enumerate(targets) if i in staged)
+    with torch.no_grad():
+        for i, t in enumerate(targets):
+            if i not in staged:
+                direct = {s: d.detach() for s, d in t.dests if _fillable(d, t.entry.dtype)}
+                if direct:  # straight from the files into the target's memory (verified, and locked)
+                    _restore(files, t.entry, t.layout, direct, verify=False)
+            for k, (s, dest) in enumerate(t.dests):
+                if dest is None or (i not in staged and _fillable(dest, t.entry.dtype)):
+                    continue
+                value = staged[i][k] if i in staged else restore_shard(files, t.entry, t.layout, s)
+                dest.copy_(value.reshape(dest.shape))
+            if i not in staged and progress:
+                done += t.entry.nbytes
+                progress(done, total)
+
+
+def _apply_optimizers(state: State, plans: dict, targets: list[_Target], staged: dict) -> None:
+    index = {id(t): i for i, t in enumerate(targets)}
+    for key, optimizer in state.optimizers.items():
+        slots, saved_groups = plans[key]
+        new_state = {
+            i: {slot: staged[index[id(v)]][0] if isinstance(v, _Target) else v for slot, v in by_slot.items()}
+            for i, by_slot in slots.items()
+        }
+        groups = []
+        for current, saved in zip(optimizer.state_dict()["param_groups"], saved_groups, strict=True):
+            merged = {**current, **{k: v for k, v in saved.items() if k != "params" and v is not None}}
+            for k, v in current.items():
+                if isinstance(v, tuple) and k in saved:  # JSON has no tuples (Adam's betas)
+                    merged[k] = tuple(saved[k])
+            merged["params"] = current["params"]
+            groups.append(merged)
+        optimizer.load_state_dict({"state": new_state, "param_groups": groups})
+
+
+def _as_checkpoint_error(e: Exception, directory: Path) -> ShardvarError:
+    if isinstance(e, ShardvarError):
+        return e
+    if isinstance(e, OSError):
+        return CheckpointIOError(f"reading {directory} failed: {e}")
+    return CheckpointError(f"loading {directory} failed ({type(e).__name__}: {e}); nothing was changed")
+
+
+def load(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike,
+    *,
+    staging_bytes: int = STAGING_BYTES,
+    progress: Progress | None = None,
+    coordinator: Coordinator | None = None,
+) -> None:
+    """Fill the objects of ``state_dict`` from the checkpoint at ``path``, each in its own layout.
+
+    Everything is checked (names, shapes, dtypes, files, the optimizer's class and parameters,
+    and the checksum of every byte needed) before any target is written, so a failing load
+    leaves every object as it was. Targets up to ``staging_bytes`` in total are read once into
+    staging tensors; larger ones are verified in a first pass and then restored shard by shard,
+    so memory stays bounded by the largest shard. A save to the same directory waits until the
+    load is done.
+    """
+    directory = Path(path)
+    coordinator = coordinator or Coordinator()
+    lock = DirectoryLock(directory, exclusive=False)
+    error, locked, targets, staged, plans, state = None, False, [], {}, {}, State()
+    with Files(directory) as files:
+        try:
+            check_int(staging_bytes, "staging_bytes", minimum=0)
+            state = resolve(state_dict)
+            lock.__enter__()
+            locked = True
+            manifest = Manifest.read(directory)
+            targets, plans = _plan_load(manifest, state, directory, partial_ok=coordinator.world > 1)
+            staged = _stage(files, targets, staging_bytes, progress)
+        except Exception as e:
+            error = _as_checkpoint_error(e, directory)
+        try:
+            agree(coordinator, error)  # every process checked its part: write only if all can
+            _write_targets(files, targets, staged, progress)
+        finally:
+            if locked:
+                lock.__exit__(None, None, None)
+    _apply_optimizers(state, plans, targets, staged)
