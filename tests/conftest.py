@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+collect_ignore = ["fuzz"]  # the atheris target runs by hand (see tests/fuzz/fuzz_manifest.py)
 CONFORMANCE = ROOT.parent / "shared" / "conformance"
 ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "IndexError": IndexError}
 

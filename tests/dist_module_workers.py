@@ -99,3 +99,17 @@ def dies_before_construction(rank: int, world: int) -> dict:
     except shardvar.ShardvarDistributedError as e:
         return {"error": str(e)}
     return {"error": None}
+
+
+def save_with_a_bad_dtype(rank: int, world: int, path: str) -> dict:
+    """Rank 1 holds a tensor no checkpoint can store: every rank must raise, promptly."""
+    import shardvar
+
+    state = {"ok": torch.ones(3)}
+    if rank == 1:
+        state["z"] = torch.ones(2, dtype=torch.complex128)
+    try:
+        shardvar.distributed.save(state, path, timeout=30)
+    except shardvar.ShardvarError as e:
+        return {"error": str(e)}
+    return {"error": None}

@@ -9,7 +9,12 @@ from ..checkpoint import Manifest, reshard
 from ._progress import ProgressBar
 from ._table import format_bytes, format_sizes, render_table
 
-__all__ = ["add_checkpoint_parsers"]
+__all__ = ["add_checkpoint_parsers", "printable"]
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters escaped, so a variable name cannot drive the terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def run_inspect(args: argparse.Namespace) -> int:
@@ -26,7 +31,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         )
         rows.append(
             [
-                name,
+                printable(name),
                 str(v.dtype).removeprefix("torch."),
                 "x".join(map(str, v.shape)) or "()",
                 layout,
@@ -43,7 +48,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 def run_reshard(args: argparse.Namespace) -> int:
     try:
         with ProgressBar("reshard") as bar:
-            reshard(args.src, args.dst, args.shards, args.strategy, progress=bar)
+            reshard(args.src, args.dst, args.shards, args.strategy, progress=bar, overwrite=args.force)
     except ShardvarError as e:
         raise SystemExit(f"shardvar reshard: {e}") from None
     print(f"wrote {args.dst}: every variable in {args.shards} {args.strategy} shards")
@@ -69,4 +74,5 @@ def add_checkpoint_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("dst")
     p.add_argument("--shards", type=_positive, required=True)
     p.add_argument("--strategy", choices=["div", "mod"], default="div")
+    p.add_argument("--force", action="store_true", help="replace a checkpoint already at DST")
     p.set_defaults(func=run_reshard)
