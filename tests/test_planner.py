@@ -78,3 +78,50 @@ def test_cli_planner(capsys, tmp_path) -> None:
             main(["plan", "--device", "a=8MiB", "--device", "b=2MiB", "--var", "users=4000x64", "--png", str(png)]) == 0
         )
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_readme_example_fills_alike_and_balances_lookups() -> None:
+    p = plan(
+        {"users": (200_000, 64), "items": (50_000, 64)},
+        {"gpu0": 64 << 20, "gpu1": 32 << 20},
+        frequencies={"users": torch.arange(1, 200_001.0) ** -1.05},
+    )
+    fills = [p.used[d] / p.budgets[d] for d in p.budgets]
+    assert max(fills) - min(fills) < 0.005, p.table()
+    assert all(abs(share - 0.5) < 0.01 for share in p.load.values()), p.table()
+    assert p.placement["users"].count("gpu0") + p.placement["users"].count("gpu1") <= 4  # a few pieces, not rows
+
+
+@pytest.mark.parametrize("exponent", [0.8, 1.05, 1.3])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_zipf_frequencies_from_either_end_give_equal_lookup_shares(exponent, reverse) -> None:
+    freq = torch.arange(1, 100_001, dtype=torch.float64) ** -exponent
+    freq = freq.flip(0) if reverse else freq
+    devices = {"a": 40 * MiB, "b": 40 * MiB, "c": 10 * MiB}
+    p = plan({"t": (100_000, 64)}, devices, frequencies={"t": freq})
+    assert all(abs(share - 1 / 3) < 0.02 for share in p.load.values()), p.table()
+    fills = [p.used[d] / devices[d] for d in devices]
+    assert max(fills) - min(fills) < 1e-3  # memory quotas are exact whatever the frequencies
+    layout = p.strategy["t"].layout((100_000, 64))
+    assert layout.num_rows == 100_000 and len(p.placement["t"]) == layout.num_shards
+
+
+def test_equally_hot_rows_give_shares_in_proportion_to_rows() -> None:
+    devices = {"a": 40 * MiB, "b": 10 * MiB}
+    p = plan({"t": (100_000, 64)}, devices, frequencies={"t": torch.ones(100_000)})
+    assert abs(p.load["a"] - 0.8) < 0.01 and abs(p.load["b"] - 0.2) < 0.01
+
+
+@pytest.mark.parametrize(
+    "frequencies, match",
+    [
+        ({"t": torch.tensor([1.0, float("nan"), 1.0])}, r"must be finite and >= 0; got nan at row 1"),
+        ({"t": torch.tensor([1.0, -2.0, 1.0])}, r"got -2.0 at row 1"),
+        ({"t": torch.ones(5)}, r"has 5 entries; expected 3"),
+        ({"t": torch.zeros(3)}, "all zero"),
+        ({"u": torch.ones(3)}, r"frequencies name 'u', which is not a variable"),
+    ],
+)
+def test_bad_frequencies_are_refused(frequencies, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        plan({"t": (3, 4)}, {"a": MiB}, frequencies=frequencies, min_split_bytes=0)

@@ -1,8 +1,20 @@
 """plan: a strategy and placement that fit devices with memory budgets and balance their load.
 
-Each variable is split by rows (explicit contiguous sizes) among the devices in proportion to
-the room each has left against its fair share of the total, largest variables first. Given id
-frequencies, the split balances expected lookups as well as bytes.
+What it promises, precisely:
+
+* **Memory.** Every device ends within its budget, filled to the same fraction of its budget as
+  every other (up to one row of each variable). Variables are split by rows (explicit contiguous
+  sizes), largest first, each in proportion to the room every device has left against its fair
+  share; variables under ``min_split_bytes`` are kept whole on the device with most room.
+* **Lookups.** Given id frequencies for a variable, its rows are cut into one contiguous piece
+  per device holding an equal share of the expected lookups, read from the table's hotter end,
+  the devices with the fewest rows first; a device keeps the hottest window of its piece that
+  fits its memory quota and the rest goes to devices below quota, and the cuts are corrected
+  until the moved lookups are accounted for. Memory quotas are always met exactly. Lookup shares
+  come out equal (to a percent or so) when frequencies fall off steeply from one end, as id
+  frequencies do (Zipf-like); when rows are about equally hot no split can do better than shares
+  in proportion to rows, and that is what it gives. ``Plan.load`` reports the shares reached.
+  A device may hold two or more pieces of a table (``placement`` lists each shard's device).
 """
 
 from __future__ import annotations
@@ -10,82 +22,24 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from .._errors import ShardvarError, ShardvarValueError
+from .._errors import ShardvarValueError
 from .._format import format_bytes
+from .._validate import check_int, check_shape
 from ..layout import Layout
-from ..partitioners import check_shape, element_size
+from ..partitioners import element_size
+from ._plan import Plan, PlanError
 from ._spec import PartitionSpec
 
-__all__ = ["Plan", "PlanError", "plan"]
+__all__ = ["plan", "Plan", "PlanError"]
+
+_ROUNDS = 12  # cut, fill, recount: enough rounds for the moved mass to settle
 
 
-class PlanError(ShardvarError, ValueError):
-    """The variables do not fit the devices; the message says which device and by how much."""
-
-
-@dataclass
-class Plan:
-    """A strategy (name -> explicit layout), a placement (name -> device of each shard) and usage."""
-
-    strategy: dict[str, PartitionSpec]
-    placement: dict[str, list[str]]
-    budgets: dict[str, int]
-    used: dict[str, int] = field(default_factory=dict)
-    load: dict[str, float] = field(default_factory=dict)
-    shard_bytes: dict[str, list[int]] = field(default_factory=dict)
-
-    def table(self) -> str:
-        lines = [f"{'device':<12} {'budget':>11} {'used':>11} {'use':>6} {'lookups':>8}  shards"]
-        for d, budget in self.budgets.items():
-            shards = [
-                f"{name}[{self.placement[name].index(d)}]" for name in self.placement if d in self.placement[name]
-            ]
-            share = f"{self.load.get(d, 0.0):7.1%}" if self.load else "      -"
-            used = self.used.get(d, 0)
-            lines.append(
-                f"{d:<12} {format_bytes(budget):>11} {format_bytes(used):>11} {used / budget:6.1%} "
-                f"{share:>8}  {', '.join(shards) or '-'}"
-            )
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.table()
-
-    def draw(self, path: str) -> None:
-        """A PNG of the shard map: one bar per device, stacked by shard bytes (needs matplotlib)."""
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            raise ShardvarValueError("drawing a plan needs matplotlib: pip install 'shardvar[plot]'") from None
-        devices = list(self.budgets)
-        fig, ax = plt.subplots(figsize=(max(4, 1.6 * len(devices)), 4))
-        bottoms = [0.0] * len(devices)
-        colors = plt.get_cmap("tab20")
-        for k, (name, where) in enumerate(self.placement.items()):
-            for d, nbytes in zip(where, self.shard_bytes[name], strict=True):
-                i = devices.index(d)
-                ax.bar(i, nbytes / 2**20, bottom=bottoms[i] / 2**20, color=colors(k % 20), edgecolor="white")
-                ax.text(i, (bottoms[i] + nbytes / 2) / 2**20, name, ha="center", va="center", fontsize=7)
-                bottoms[i] += nbytes
-        for i, d in enumerate(devices):
-            ax.hlines(self.budgets[d] / 2**20, i - 0.4, i + 0.4, colors="red", linestyles="dashed")
-        ax.set_xticks(range(len(devices)), devices)
-        ax.set_ylabel("MiB (dashed: budget)")
-        ax.set_title("shard map")
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-
-
-def _split(total: int, weights: list[float]) -> list[int]:
+def _split(total: int, weights: Sequence[float]) -> list[int]:
     """``total`` rows in proportion to ``weights`` (largest remainders), summing exactly."""
     s = sum(weights)
     raw = [total * w / s for w in weights]
@@ -95,16 +49,115 @@ def _split(total: int, weights: list[float]) -> list[int]:
     return out
 
 
-def _cut_by_cost(cost: torch.Tensor, shares: list[int], rows: int) -> list[int]:
-    """Contiguous sizes whose summed ``cost`` follows the row ``shares`` of each device."""
-    cumulative = torch.cumsum(cost.double(), 0)
-    total = float(cumulative[-1])
-    bounds, acc = [], 0
-    for share in shares[:-1]:
-        acc += share
-        bounds.append(int(torch.searchsorted(cumulative, total * acc / rows)))
-    edges = [0, *bounds, rows]
-    return [max(0, b - a) for a, b in itertools.pairwise(edges)]
+def _fill(pieces: list[tuple[str, int, int]], quotas: dict[str, int], prefix: torch.Tensor) -> list[tuple]:
+    """Each device keeps the hottest window of its piece that fits its row quota; the rest goes to
+    devices under quota, in table order."""
+    kept, released = [], []
+    for d, a, b in pieces:
+        q = min(quotas[d], b - a)
+        window = prefix[a + q : b + 1] - prefix[a : b - q + 1]  # mass of every q-row window of the piece
+        start = a + int(torch.argmax(window)) if b > a else a
+        kept.append((d, start, start + q))
+        released += [(x, y) for x, y in ((a, start), (start + q, b)) if y > x]
+    short = {d: quotas[d] - (b - a) for d, a, b in kept if quotas[d] > b - a}
+    for a, b in sorted(released):
+        while a < b:
+            d = max(short, key=lambda d: short[d])
+            take = min(short[d], b - a)
+            kept.append((d, a, a + take))
+            short[d] -= take
+            a += take
+    return sorted((r for r in kept if r[2] > r[1]), key=lambda r: r[1])
+
+
+def _spread(mass: torch.Tensor, quotas: dict[str, int]) -> list[tuple[str, int, int]]:
+    """Row ranges per device (see ``_spread_from_head``), the table read from its hotter end."""
+    rows = mass.numel()
+    if float(mass[: rows // 2].sum()) >= 0.5:
+        return _spread_from_head(mass, quotas)
+    ranges = _spread_from_head(mass.flip(0), quotas)
+    return sorted(((d, rows - b, rows - a) for d, a, b in ranges), key=lambda r: r[1])
+
+
+def _spread_from_head(mass: torch.Tensor, quotas: dict[str, int]) -> list[tuple[str, int, int]]:
+    """Row ranges per device: equal shares of the lookup mass, and each device's row quota exactly.
+
+    The table is cut into one contiguous piece per device of equal mass; each device keeps the
+    start of its piece up to its quota and passes the rest on (``_fill``). The mass passed on is
+    then taken off the receivers' targets and the cut redone, which converges in a few rounds.
+    """
+    # Devices with the fewest rows take the first (for a hot head, densest) pieces: they need dense
+    # rows to serve their share.
+    devices = sorted((d for d in quotas if quotas[d] > 0), key=lambda d: quotas[d])
+    cumulative = torch.cumsum(mass, 0)
+    prefix = torch.cat([torch.zeros(1, dtype=torch.float64), cumulative])
+    share = 1.0 / len(devices)
+    targets = dict.fromkeys(devices, share)
+    for _ in range(_ROUNDS):
+        bounds = torch.tensor(list(targets.values())[:-1], dtype=torch.float64).cumsum(0)
+        inner = torch.searchsorted(cumulative, bounds).add(1).clamp(max=mass.numel()).tolist()
+        cuts = list(itertools.accumulate([0, *inner, mass.numel()], max))  # monotone across flat stretches
+        pieces = list(zip(devices, cuts[:-1], cuts[1:], strict=True))
+        ranges = _fill(pieces, quotas, prefix)
+        final = dict.fromkeys(devices, 0.0)
+        for d, a, b in ranges:
+            final[d] += float(prefix[b] - prefix[a])
+        targets = {d: max(targets[d] + share - final[d], 0.0) for d in devices}  # correct each cut by its miss
+    return ranges
+
+
+def _merge(ranges: list[tuple[str, int, int]]) -> tuple[list[int], list[str]]:
+    """Adjacent ranges on one device become one shard: (sizes, device of each shard)."""
+    sizes, where = [], []
+    for d, a, b in ranges:
+        if where and where[-1] == d:
+            sizes[-1] += b - a
+        else:
+            sizes.append(b - a)
+            where.append(d)
+    return sizes, where
+
+
+def _frequencies(frequencies: Mapping[str, object] | None, rows: dict[str, int]) -> dict[str, torch.Tensor]:
+    """Each variable's lookup frequencies as masses summing to 1, checked: one finite weight >= 0 per row."""
+    out = {}
+    for name, f in (frequencies or {}).items():
+        if name not in rows:
+            raise ShardvarValueError(f"frequencies name {name!r}, which is not a variable of the plan: {sorted(rows)}")
+        t = torch.as_tensor(f, dtype=torch.float64).reshape(-1)
+        if t.numel() != rows[name]:
+            raise ShardvarValueError(
+                f"frequencies[{name!r}] has {t.numel()} entries; expected {rows[name]} (one per row)"
+            )
+        bad = ~torch.isfinite(t) | (t < 0)
+        if bool(bad.any()):
+            i = int(torch.nonzero(bad)[0])
+            raise ShardvarValueError(f"frequencies[{name!r}] must be finite and >= 0; got {float(t[i])} at row {i}")
+        if float(t.sum()) <= 0:
+            raise ShardvarValueError(f"frequencies[{name!r}] are all zero; give at least one positive weight")
+        out[name] = t / t.sum()
+    return out
+
+
+def _items(shapes: Mapping[str, Sequence[int]] | nn.Module, dtype: torch.dtype | str) -> list[tuple]:
+    if isinstance(shapes, nn.Module):
+        shapes = {n: tuple(p.shape) for n, p in shapes.named_parameters() if p.dim() >= 1}
+    items = []
+    for name, shape in shapes.items():
+        shape = check_shape(shape)
+        row_bytes = math.prod(shape[1:]) * element_size(dtype, 16)
+        items.append((name, shape, row_bytes, shape[0] * row_bytes))
+    return sorted(items, key=lambda i: -i[3])
+
+
+def _budgets(devices: Mapping[str, int]) -> dict[str, int]:
+    if not isinstance(devices, Mapping) or not devices:
+        raise ShardvarValueError("plan needs at least one device with a budget, e.g. {'cpu:0': 2 << 30}")
+    budgets = {str(d): check_int(b, f"the budget of {d}") for d, b in devices.items()}
+    bad = [(d, b) for d, b in budgets.items() if b <= 0]
+    if bad:
+        raise ShardvarValueError(f"device budgets must be positive bytes; got {bad}")
+    return budgets
 
 
 def plan(
@@ -117,26 +170,14 @@ def plan(
 ) -> Plan:
     """Split each variable by rows over ``devices`` (name -> bytes budget) to fit and balance.
 
-    Variables smaller than ``min_split_bytes`` are kept whole, on the device with most room.
-    ``frequencies[name]`` (one weight per row) balances expected lookups too.
+    See this module's docstring for what is balanced and how precisely.
 
     >>> p = plan({"users": (1000, 64), "items": (300, 64)}, {"cpu:0": 300_000, "cpu:1": 100_000}, min_split_bytes=0)
     >>> p.placement["users"], p.strategy["users"].partitioner.sizes
     (['cpu:0', 'cpu:1'], (750, 250))
     """
-    if isinstance(shapes, nn.Module):
-        shapes = {n: tuple(p.shape) for n, p in shapes.named_parameters() if p.dim() >= 1}
-    if not devices:
-        raise ShardvarValueError("plan needs at least one device with a budget, e.g. {'cpu:0': 2 << 30}")
-    budgets = {str(d): int(b) for d, b in devices.items()}
-    bad = [d for d, b in budgets.items() if b <= 0]
-    if bad:
-        raise ShardvarValueError(f"device budgets must be positive bytes; got {[(d, budgets[d]) for d in bad]}")
-    items = []
-    for name, shape in shapes.items():
-        shape = check_shape(shape)
-        row_bytes = math.prod(shape[1:]) * element_size(dtype, 16)
-        items.append((name, shape, row_bytes, shape[0] * row_bytes))
+    items, budgets = _items(shapes, dtype), _budgets(devices)
+    masses = _frequencies(frequencies, {name: shape[0] for name, shape, _, _ in items})
     total, capacity = sum(i[3] for i in items), sum(budgets.values())
     fair = {d: total * b / capacity for d, b in budgets.items()}
     if total > capacity:
@@ -145,54 +186,41 @@ def plan(
             f"the variables need {format_bytes(total)} but the devices hold {format_bytes(capacity)}: short by "
             f"{format_bytes(total - capacity)} in all (at a balanced fill: {short})"
         )
-    used = dict.fromkeys(budgets, 0)
+    result = Plan({}, {}, budgets, dict.fromkeys(budgets, 0), {}, {})
     load = dict.fromkeys(budgets, 0.0)
-    result = Plan({}, {}, budgets, used, {}, {})
-    for name, shape, row_bytes, nbytes in sorted(items, key=lambda i: -i[3]):
-        room = {d: max(0.0, fair[d] - used[d]) for d in budgets}
+    for name, shape, row_bytes, nbytes in items:
+        room = {d: max(0.0, fair[d] - result.used[d]) for d in budgets}
         if nbytes < min_split_bytes or shape[0] <= 1 or sum(room.values()) <= 0:
-            best = max(budgets, key=lambda d: (budgets[d] - used[d], -list(budgets).index(d)))
-            chosen, sizes = [best], [shape[0]]
+            best = max(budgets, key=lambda d: (budgets[d] - result.used[d], -list(budgets).index(d)))
+            ranges = [(best, 0, shape[0])]
         else:
-            order = [d for d in budgets if room[d] > 0]
-            shares = _split(shape[0], [room[d] for d in order])
-            if frequencies and name in frequencies:
-                f = torch.as_tensor(frequencies[name], dtype=torch.float64).reshape(-1)
-                if f.numel() != shape[0]:
-                    raise ShardvarValueError(
-                        f"frequencies[{name!r}] has {f.numel()} entries; expected {shape[0]} (one per row)"
-                    )
-                # Balance expected lookups first; give way to a bytes balance only as far as the
-                # budgets demand (the byte-balanced split always fits).
-                by_bytes = shares
-                for weight in (1.0, 0.75, 0.5, 0.25):
-                    cost = (1 - weight) / shape[0] + weight * f / f.sum().clamp(min=1e-300)
-                    shares = _cut_by_cost(cost, by_bytes, shape[0])
-                    if all(used[d] + s * row_bytes <= budgets[d] for d, s in zip(order, shares, strict=True)):
-                        break
-                else:
-                    shares = by_bytes
-            chosen = [d for d, s in zip(order, shares, strict=True) if s > 0]
-            sizes = [s for s in shares if s > 0]
-        for d, rows in zip(chosen, sizes, strict=True):
-            used[d] += rows * row_bytes
-        if frequencies and name in frequencies:
-            f = torch.as_tensor(frequencies[name], dtype=torch.float64).reshape(-1)
-            edges = [0, *torch.tensor(sizes).cumsum(0).tolist()]
-            for d, a, b in zip(chosen, edges, edges[1:], strict=False):
-                load[d] += float(f[a:b].sum() / f.sum())
+            quotas = dict(zip(room, _split(shape[0], list(room.values())), strict=True))
+            if name in masses:
+                ranges = _spread(masses[name], quotas)
+            else:
+                edges = [0, *torch.tensor(list(quotas.values())).cumsum(0).tolist()]
+                ranges = [(d, a, b) for d, a, b in zip(quotas, edges, edges[1:], strict=False) if b > a]
+        for d, a, b in ranges:
+            result.used[d] += (b - a) * row_bytes
+            if name in masses:
+                load[d] += float(masses[name][a:b].sum())
+        sizes, where = _merge(ranges)
         result.strategy[name] = PartitionSpec(Layout.explicit(sizes))
-        result.placement[name] = chosen
+        result.placement[name] = where
         result.shard_bytes[name] = [s * row_bytes for s in sizes]
-    over = {d: used[d] - budgets[d] for d in budgets if used[d] > budgets[d]}
+    _check_fits(result)
+    if masses:
+        result.load = {d: v / len(masses) for d, v in load.items()}
+    return result
+
+
+def _check_fits(result: Plan) -> None:
+    over = {d: result.used[d] - b for d, b in result.budgets.items() if result.used[d] > b}
     if over:
         raise PlanError(
             "no split fits: "
             + ", ".join(
-                f"{d} would be over its {format_bytes(budgets[d])} budget by {format_bytes(x)}" for d, x in over.items()
+                f"{d} would be over its {format_bytes(result.budgets[d])} budget by {format_bytes(x)}"
+                for d, x in over.items()
             )
         )
-    if frequencies:
-        weight = sum(1 for n in frequencies if n in shapes)
-        result.load = {d: v / max(weight, 1) for d, v in load.items()}
-    return result
