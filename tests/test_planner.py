@@ -99,7 +99,9 @@ def test_zipf_frequencies_from_either_end_give_equal_lookup_shares(exponent, rev
     freq = freq.flip(0) if reverse else freq
     devices = {"a": 40 * MiB, "b": 40 * MiB, "c": 10 * MiB}
     p = plan({"t": (100_000, 64)}, devices, frequencies={"t": freq})
-    assert all(abs(share - 1 / 3) < 0.02 for share in p.load.values()), p.table()
+    # Equal up to the rows at one cut: with a steep Zipf the second-hottest row alone is 10%.
+    tolerance = max(0.02, float(freq.sort(descending=True).values[1] / freq.sum()))
+    assert all(abs(share - 1 / 3) <= tolerance for share in p.load.values()), p.table()
     fills = [p.used[d] / devices[d] for d in devices]
     assert max(fills) - min(fills) < 1e-3  # memory quotas are exact whatever the frequencies
     layout = p.strategy["t"].layout((100_000, 64))
