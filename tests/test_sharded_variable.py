@@ -368,7 +368,10 @@ def test_shards_on_the_slab_share_memory_and_fall_back_when_not() -> None:
     w = ShardedVariable(clones, strategy="mod")
     assert w.store.full_slab is not None and all(a is b for a, b in zip(w.variables, clones, strict=True))
     base = torch.arange(10.0).reshape(5, 2)
-    x = ShardedVariable([base[0::2], base[1::2]], strategy="mod")
+    tiled = ShardedVariable([base[0::2], base[1::2]], strategy="mod")  # views tiling base row by row: base is the slab
+    assert tiled.store.full_slab is not None and tiled.store.full_slab.data_ptr() == base.data_ptr()
+    other = torch.arange(10.0).reshape(5, 2)
+    x = ShardedVariable([base[0::2], other[1::2]], strategy="mod")  # views of two tensors: read shard by shard
     assert x.store.full_slab is None
     ids = torch.tensor([4, 0, 3])
     torch.testing.assert_close(v.sparse_read(ids), w.sparse_read(ids))

@@ -88,12 +88,12 @@ def _source(
         return _Source(weight, ids, padding_idx, None, False)
     exchange = _exchange(store)
     if exchange is None and store.full_slab is not None and not by_rows:
-        rows = store.layout.strategy.storage_rows(store.layout.sizes, ids)
+        rows = store.slab_rows(ids)
         if _transformed(ids):
             rows = _poison_bad(ids, rows, store.layout.num_rows)
         pad = None
         if padding_idx is not None:
-            pad = int(store.layout.storage_rows(torch.tensor([padding_idx]), check=False)[0])
+            pad = int(store.slab_rows(torch.tensor([padding_idx], device=ids.device))[0])
         return _Source(slab_weight(store), rows, pad, max_norm, sparse)
     unique, inverse = torch.unique(ids, return_inverse=True)
     request, pad = unique, None

@@ -14,7 +14,7 @@ import torch
 from .._errors import ShardvarValueError
 from ..layout import intersect_progressions
 
-__all__ = ["as_slab", "adopt", "check_disjoint", "storage_ptr", "where"]
+__all__ = ["Slab", "as_slab", "adopt", "check_disjoint", "storage_ptr", "where"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -45,24 +45,48 @@ def storage_ptr(t: torch.Tensor) -> int | None:
         return None
 
 
-def as_slab(shards: list[torch.Tensor]) -> torch.Tensor | None:
-    """A ``[rows, width]`` tensor over the shards' memory when they lie back to back in it, in order."""
-    first = shards[0]
-    if first.dim() == 0 or first.layout != torch.strided or first.device.type == "meta":
-        return None
-    if storage_ptr(first) is None:
-        return None
-    ptr, offset = first.untyped_storage().data_ptr(), first.storage_offset()
-    for s in shards:
-        if s.dtype != first.dtype or not s.is_contiguous() or s.storage_offset() != offset:
-            return None
-        if s.untyped_storage().data_ptr() != ptr:
-            return None
-        offset += math.prod(s.shape)
-    rows = sum(s.shape[0] for s in shards)
-    width = math.prod(first.shape[1:])
+Slab = tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]  # [rows, width], each member's first row and step
+
+
+def _set(first: torch.Tensor, offset: int, rows: int, width: int) -> torch.Tensor:
     slab = torch.empty(0, dtype=first.dtype, device=first.device)
-    return slab.set_(first.untyped_storage(), first.storage_offset(), (rows, width), (width, 1))
+    return slab.set_(first.untyped_storage(), offset, (rows, width), (width, 1))
+
+
+def _plain_rows(t: torch.Tensor, step: int) -> bool:
+    """Whether ``t`` is whole rows of a row-major buffer, ``step`` rows apart."""
+    width = math.prod(t.shape[1:])
+    inner = torch.empty(t.shape[1:], device="meta").stride() if t.dim() > 1 else ()
+    return tuple(t.stride()[1:]) == tuple(inner) and (t.shape[0] <= 1 or t.stride()[0] == step * width)
+
+
+def as_slab(shards: list[torch.Tensor], interleaved: bool) -> Slab | None:
+    """A ``[rows, width]`` tensor over the shards' memory, when they tile one allocation.
+
+    Back to back in order (each member's rows ``start + i``), or, for all shards of a mod layout
+    (``interleaved``), row by row in logical order (shard s at rows ``s + n * i``).
+    """
+    first = shards[0]
+    if first.dim() == 0 or first.layout != torch.strided or first.device.type == "meta" or storage_ptr(first) is None:
+        return None
+    ptr, base, n = first.untyped_storage().data_ptr(), first.storage_offset(), len(shards)
+    width, rows = math.prod(first.shape[1:]), sum(s.shape[0] for s in shards)
+    same = all(s.dtype == first.dtype and s.untyped_storage().data_ptr() == ptr for s in shards)
+    if not same:
+        return None
+    offset, starts = base, []
+    for s in shards:
+        if not s.is_contiguous() or s.storage_offset() != offset:
+            break
+        starts.append(offset - base)
+        offset += math.prod(s.shape)
+    else:
+        return _set(first, base, rows, width), tuple(x // max(width, 1) for x in starts), (1,) * n
+    if interleaved and n > 1 and width:
+        tiles = all(s.storage_offset() == base + k * width and _plain_rows(s, n) for k, s in enumerate(shards))
+        if tiles:
+            return _set(first, base, rows, width), tuple(range(n)), (n,) * n
+    return None
 
 
 def _adoptable(t: torch.Tensor) -> bool:
@@ -81,19 +105,18 @@ def _adoptable(t: torch.Tensor) -> bool:
     )
 
 
-def adopt(shards: list[torch.Tensor]) -> bool:
-    """Move same-device shards into one new allocation, back to back; False when not safe."""
+def adopt(shards: list[torch.Tensor], interleaved: bool) -> bool:
+    """Move same-device shards into one new allocation (row by row for ``interleaved`` mod
+    shards, else back to back); False when that is not safe."""
     if len({id(s) for s in shards}) != len(shards) or not all(_adoptable(s) for s in shards):
         return False
-    first = shards[0]
+    first, n = shards[0], len(shards)
     slab = torch.empty((sum(s.shape[0] for s in shards), *first.shape[1:]), dtype=first.dtype, device=first.device)
+    pieces = [slab[k::n] for k in range(n)] if interleaved else list(slab.split([s.shape[0] for s in shards]))
     with torch.no_grad():
-        start = 0
-        for s in shards:
-            piece = slab.narrow(0, start, s.shape[0])
+        for s, piece in zip(shards, pieces, strict=True):
             piece.copy_(s)
             s.set_(slab.untyped_storage(), piece.storage_offset(), s.shape, piece.stride())
-            start += s.shape[0]
     return True
 
 

@@ -40,6 +40,7 @@ class Group:
     device: torch.device
     members: tuple[int, ...]  # shard indices, in the order their rows lie in the group
     starts: tuple[int, ...]  # first row of each member within the group
+    steps: tuple[int, ...]  # and the distance between its rows (1, or n for mod shards interleaved)
     rows: int
     slab: torch.Tensor | None  # [rows, width] over the members' memory; None: a lone shard read as is
 
@@ -125,14 +126,18 @@ class ShardStore:
             by_device.setdefault(t.device, []).append(s)
         for device, members in by_device.items():
             tensors = [self._shards[s] for s in members]
-            slab = as_slab(tensors) if self.layout.axis == 0 else None
-            if slab is None and self.layout.axis == 0 and self.adopt and adopt(tensors):
-                slab = as_slab(tensors)
-            if slab is not None:
-                groups.append(Group(device, tuple(members), _running(self.layout, members), slab.shape[0], slab))
+            # All shards of a mod layout on one device lie row by row in logical order: the slab is
+            # then the table itself, and a lookup needs no id arithmetic at all.
+            interleaved = not self.layout.contiguous and len(members) == self.layout.num_shards
+            found = as_slab(tensors, interleaved) if self.layout.axis == 0 else None
+            if found is None and self.layout.axis == 0 and self.adopt and adopt(tensors, interleaved):
+                found = as_slab(tensors, interleaved)
+            if found is not None:
+                slab, starts, steps = found
+                groups.append(Group(device, tuple(members), starts, steps, slab.shape[0], slab))
                 continue
             for s in members:
-                groups.append(Group(device, (s,), (0,), self.layout.sizes[s], None))
+                groups.append(Group(device, (s,), (0,), (1,), self.layout.sizes[s], None))
         self.groups = tuple(groups)
         self._signature = self._current_signature()
         self._routes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -176,6 +181,19 @@ class ShardStore:
         return None
 
     @property
+    def logical_slab(self) -> bool:
+        """Whether the full slab's rows are the logical rows (div shards in order, interleaved mod shards)."""
+        return self.full_slab is not None and (
+            self.layout.contiguous or self.groups[0].steps[0] > 1 or len(self._shards) == 1
+        )
+
+    def slab_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The full slab's row of each valid logical id."""
+        if self.logical_slab:
+            return ids
+        return self.layout.strategy.storage_rows(self.layout.sizes, ids)
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._shards.values())
 
@@ -183,15 +201,16 @@ class ShardStore:
         """(group index, row within the group) of each valid logical id held locally (-1: not local)."""
         device = ids.device
         if device not in self._routes:
-            group_of = torch.full((self.layout.num_shards,), -1, dtype=torch.int64)
-            start = torch.zeros(self.layout.num_shards, dtype=torch.int64)
+            n = self.layout.num_shards
+            group_of = torch.full((n,), -1, dtype=torch.int64)
+            start, step = torch.zeros(n, dtype=torch.int64), torch.ones(n, dtype=torch.int64)
             for g, group in enumerate(self.groups):
-                for s, first in zip(group.members, group.starts, strict=True):
-                    group_of[s], start[s] = g, first
-            self._routes[device] = (group_of.to(device), start.to(device))
-        group_of, start = self._routes[device]
+                for s, first, k in zip(group.members, group.starts, group.steps, strict=True):
+                    group_of[s], start[s], step[s] = g, first, k
+            self._routes[device] = (group_of.to(device), start.to(device), step.to(device))
+        group_of, start, step = self._routes[device]
         shard, row = self.layout.strategy.locate(self.layout.sizes, ids)
-        return group_of[shard], start[shard] + row
+        return group_of[shard], start[shard] + step[shard] * row
 
     def group_rows(self, g: int) -> torch.Tensor:
         """Group ``g``'s rows as ``[rows, width]`` (its slab, or its lone shard reshaped)."""
@@ -205,10 +224,11 @@ class ShardStore:
         """Group ``g``'s dense ``[rows, width]`` gradient as one gradient per member shard (views)."""
         group = self.groups[g]
         out = {}
-        for s, first in zip(group.members, group.starts, strict=True):
+        for s, first, step in zip(group.members, group.starts, group.steps, strict=True):
             size = self.layout.sizes[s]
             moved = (size, *_rest(self.shape, self.layout.axis))
-            piece = grad.narrow(0, first, size).view(moved)
+            piece = grad[first : first + step * (size - 1) + 1 : step] if size else grad[first:first]
+            piece = piece.view(moved)
             out[s] = piece if self.layout.axis == 0 else piece.movedim(0, self.layout.axis)
         return out
 
@@ -218,15 +238,17 @@ class ShardStore:
         if len(group.members) == 1:
             s = group.members[0]
             return {s: _sparse(rows, values, self.layout.sizes[s])}
-        starts = torch.tensor(group.starts, dtype=torch.int64, device=rows.device)
-        member = torch.searchsorted(starts, rows, right=True) - 1
+        if group.steps[0] > 1:  # interleaved: row r is shard r % n's row r // n
+            member, local = rows.remainder(group.steps[0]), rows.div(group.steps[0], rounding_mode="floor")
+        else:
+            starts = torch.tensor(group.starts, dtype=torch.int64, device=rows.device)
+            member = torch.searchsorted(starts, rows, right=True) - 1
+            local = rows - starts[member]
         order = torch.argsort(member)
         counts = torch.bincount(member, minlength=len(group.members)).tolist()
         out = {}
-        for k, (s, pos) in enumerate(zip(group.members, order.split(counts), strict=True)):
-            out[s] = _sparse(
-                rows.index_select(0, pos) - group.starts[k], values.index_select(0, pos), self.layout.sizes[s]
-            )
+        for s, pos in zip(group.members, order.split(counts), strict=True):
+            out[s] = _sparse(local.index_select(0, pos), values.index_select(0, pos), self.layout.sizes[s])
         return out
 
     def zero_grads(self, sparse: bool) -> dict[int, torch.Tensor]:
@@ -253,21 +275,16 @@ def _rest(shape: Sequence[int], axis: int) -> tuple[int, ...]:
 def _empty_shards(
     layout: Layout, shape: torch.Size, dtype: torch.dtype, device: torch.device, members: list[int]
 ) -> list[torch.Tensor]:
-    # Along axis 0 the shards are consecutive pieces of one slab; along another axis a slab would
-    # buy nothing (rows are not contiguous), so each shard is its own contiguous tensor.
+    # Along axis 0 the shards are pieces of one slab: consecutive, or (all shards of a mod layout)
+    # row by row in logical order. Along another axis a slab would buy nothing (rows are not
+    # contiguous), so each shard is its own contiguous tensor.
     if layout.axis != 0:
         return [torch.empty(layout.shard_shape(shape, s), dtype=dtype, device=device) for s in members]
     rows = [layout.sizes[s] for s in members]
     slab = torch.empty((sum(rows), *shape[1:]), dtype=dtype, device=device)
+    if not layout.contiguous and len(members) == layout.num_shards:
+        return [slab[s :: layout.num_shards] for s in members]
     return list(slab.split(rows)) if members else []
-
-
-def _running(layout: Layout, members: list[int]) -> tuple[int, ...]:
-    out, acc = [], 0
-    for s in members:
-        out.append(acc)
-        acc += layout.sizes[s]
-    return tuple(out)
 
 
 def _sparse(rows: torch.Tensor, values: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -118,7 +118,7 @@ def scatter(store: ShardStore, op: str, indices: Any, updates: Any) -> None:
     if slab is not None:  # one op over the whole table
         check_writable(shards)
         with torch.no_grad():
-            rows = store.layout.strategy.storage_rows(store.layout.sizes, ids.to(slab.device))
+            rows = store.slab_rows(ids.to(slab.device))
             apply(slab.view(slab.shape[0], *row_shape), rows, updates.to(slab.device))
         return
     group, row = store.route(ids)

@@ -36,8 +36,9 @@ def materialise(store: ShardStore, copy: bool = True) -> torch.Tensor:
     """
     if not store.is_complete:
         return gather(store, torch.arange(store.layout.num_rows, device=device_of(store)))
-    if not copy and store.layout.contiguous and store.full_slab is not None:
-        return slab_weight(store).view(store.shape)
+    if store.logical_slab:  # the slab is the table: a view of the shards, or one copy of it
+        whole = slab_weight(store).view(store.shape)
+        return whole if not copy else whole.clone()
     return store.layout.join(list(store.local_shards().values()))
 
 
