@@ -20,7 +20,7 @@ from ..checkpoint import Manifest
 from ..distributed import DistributedEmbedding
 from ..distributed import save as distributed_save
 from ..variables import RowInitializer
-from ._demo import Clicks, RecModel, _eval_batch, _other, _restore_and_compare
+from ._demo_model import Clicks, RecModel, _eval_batch, _other, _restore_and_compare
 from ._progress import StepBar
 from ._table import format_bytes, format_sizes, render_table
 
