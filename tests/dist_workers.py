@@ -153,6 +153,12 @@ def main() -> None:
     torch.save(result, out_dir / f"rank{rank}.pt")
     if not (result or {}).get("error"):
         dist.destroy_process_group()
+        return
+    # After a failed collective the group may hold work that never completes, and tearing it down
+    # (or letting interpreter exit destroy it) can abort the process: leave without destructors.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

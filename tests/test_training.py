@@ -69,3 +69,33 @@ def test_sharded_training_matches_unsharded(optimizer_name: str, strategy: str, 
     assert not torch.equal(reference.embedding.weight, weights.new_zeros(weights.shape))
     torch.testing.assert_close(weights, reference.embedding.weight.detach(), atol=1e-5, rtol=0)
     torch.testing.assert_close(sharded.head.weight, reference.head.weight, atol=1e-5, rtol=0)
+
+
+SPARSE_STEPS = {
+    "SGD": lambda p: torch.optim.SGD(p, lr=0.1),
+    "Adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1),
+    "SparseAdam": lambda p: torch.optim.SparseAdam(p, lr=0.01),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks:UserWarning")  # raised inside torch.optim.Adagrad
+@pytest.mark.parametrize("optimizer_name", list(SPARSE_STEPS))
+@pytest.mark.parametrize(("num_shards", "strategy"), [(1, "div"), (3, "mod"), (8, "mod"), (8, "div")])
+def test_sparse_optimizers_update_large_tables_of_every_layout(optimizer_name, num_shards, strategy) -> None:
+    # torch's sparse add_ refuses strided leaf parameters once a gradient has more than a few
+    # hundred rows: the shards shardvar allocates must be contiguous for every layout.
+    rows = 4096
+    torch.manual_seed(0)
+    reference = nn.Embedding(rows, DIM, sparse=True)
+    sharded = shardvar.ShardedEmbedding.from_pretrained(
+        reference.weight, freeze=False, partitioner=num_shards, partition_strategy=strategy, sparse=True
+    )
+    assert all(s.is_contiguous() for s in sharded.shards)
+    for module in (reference, sharded):
+        opt = SPARSE_STEPS[optimizer_name](list(module.parameters()))
+        g = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            module(torch.randint(0, rows, (rows,), generator=g)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    torch.testing.assert_close(sharded.weight.to_tensor(), reference.weight.detach(), atol=1e-5, rtol=0)

@@ -126,12 +126,13 @@ class ShardStore:
             by_device.setdefault(t.device, []).append(s)
         for device, members in by_device.items():
             tensors = [self._shards[s] for s in members]
-            # All shards of a mod layout on one device lie row by row in logical order: the slab is
-            # then the table itself, and a lookup needs no id arithmetic at all.
+            # A user's mod shards that are interleaved views of one tensor (``t[s::n]``) are used in
+            # place. Shards shardvar allocates or adopts are contiguous: torch's sparse ``add_``
+            # (every sparse optimizer's update) fails on strided leaf parameters.
             interleaved = not self.layout.contiguous and len(members) == self.layout.num_shards
             found = as_slab(tensors, interleaved) if self.layout.axis == 0 else None
-            if found is None and self.layout.axis == 0 and self.adopt and adopt(tensors, interleaved):
-                found = as_slab(tensors, interleaved)
+            if found is None and self.layout.axis == 0 and self.adopt and adopt(tensors, interleaved=False):
+                found = as_slab(tensors, interleaved=False)
             if found is not None:
                 slab, starts, steps = found
                 groups.append(Group(device, tuple(members), starts, steps, slab.shape[0], slab))
@@ -275,15 +276,14 @@ def _rest(shape: Sequence[int], axis: int) -> tuple[int, ...]:
 def _empty_shards(
     layout: Layout, shape: torch.Size, dtype: torch.dtype, device: torch.device, members: list[int]
 ) -> list[torch.Tensor]:
-    # Along axis 0 the shards are pieces of one slab: consecutive, or (all shards of a mod layout)
-    # row by row in logical order. Along another axis a slab would buy nothing (rows are not
-    # contiguous), so each shard is its own contiguous tensor.
+    # Along axis 0 the shards are consecutive pieces of one slab, each contiguous (mod shards laid
+    # row by row in logical order would spare the lookup its id arithmetic, but torch's sparse
+    # ``add_``, used by every sparse optimizer, fails on strided leaf parameters). Along another
+    # axis a slab would buy nothing (rows are not contiguous), so each shard is its own tensor.
     if layout.axis != 0:
         return [torch.empty(layout.shard_shape(shape, s), dtype=dtype, device=device) for s in members]
     rows = [layout.sizes[s] for s in members]
     slab = torch.empty((sum(rows), *shape[1:]), dtype=dtype, device=device)
-    if not layout.contiguous and len(members) == layout.num_shards:
-        return [slab[s :: layout.num_shards] for s in members]
     return list(slab.split(rows)) if members else []
 
 
