@@ -57,6 +57,30 @@ def test_inspect_and_reshard(tmp_path) -> None:
     assert out.returncode == 2 and "expected a positive integer; got 0" in out.stderr
 
 
+def test_inspect_shows_a_delta_chain_and_compact_folds_it(tmp_path, capsys) -> None:
+    import torch
+
+    import shardvar
+
+    t = torch.randn(100, 4)
+    shardvar.save({"emb": shardvar.shard_tensor(t, shardvar.Layout.mod(100, 4))}, tmp_path / "base")
+    t[[3, 50]] += 1
+    shardvar.save({"emb": shardvar.shard_tensor(t, shardvar.Layout.mod(100, 4))}, tmp_path / "d1", delta_of=tmp_path / "base")
+    assert main(["inspect", str(tmp_path / "d1")]) == 0
+    out = capsys.readouterr().out
+    assert "chain (oldest first" in out and "emb: 2 rows" in out and str(tmp_path / "base") in out
+    assert main(["compact", str(tmp_path / "d1"), str(tmp_path / "one")]) == 0
+    capsys.readouterr()
+    assert torch.equal(shardvar.read_shard(tmp_path / "one", "emb"), t)
+    assert main(["inspect", str(tmp_path / "one")]) == 0
+    assert "chain (oldest first" not in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="already holds a checkpoint"):
+        main(["compact", str(tmp_path / "d1"), str(tmp_path / "one")])
+    shardvar.save({"emb": torch.zeros(100, 4)}, tmp_path / "base")  # the base is replaced: the link breaks
+    with pytest.raises(SystemExit, match="the chain is broken"):
+        main(["inspect", str(tmp_path / "d1")])
+
+
 def test_progress_bar_draws_only_on_a_terminal() -> None:
     import io
 

@@ -117,3 +117,21 @@ def test_checkpoints_move_between_world_sizes(tmp_path) -> None:
     back = run_ranks(3, "ckpt_load", tmp_path / "w3b", path=str(tmp_path / "b"), shards=3, strategy="div")
     torch.testing.assert_close(assemble(back, "shards", shardvar.Layout.div(ROWS, 3)), weights, atol=0, rtol=0)
     torch.testing.assert_close(assemble(back, "exp_avg", shardvar.Layout.div(ROWS, 3)), moments, atol=0, rtol=0)
+
+
+def test_async_saves_overlap_training_and_deltas_chain_across_ranks(tmp_path) -> None:
+    results = run_ranks(2, "dist_checkpoint_workers:async_then_delta", tmp_path / "w", path=str(tmp_path))
+    assert all(r["blocked"] for r in results)  # training ran while the writers were held
+    layout = shardvar.Layout.mod(ROWS, 4)
+    for name, state in (("full", "snapshot"), ("delta", "final")):
+        weights = assemble([r[state] for r in results], "shards", layout)
+        moments = assemble([r[state] for r in results], "exp_avg", layout)
+        model = nn.Module()
+        model.emb = shardvar.ShardedEmbedding(ROWS, DIM, partitioner=3, partition_strategy="div")
+        model.head = nn.Linear(DIM, 1)
+        opt = torch.optim.Adam(model.parameters(), lr=1.0)
+        shardvar.load({"model": model, "opt": opt}, tmp_path / name)
+        torch.testing.assert_close(model.emb.weight.to_tensor().detach(), weights, atol=0, rtol=0)
+        got = shardvar.ShardedVariable([opt.state[p]["exp_avg"] for p in model.emb.shards]).to_tensor()
+        torch.testing.assert_close(got, moments, atol=0, rtol=0)
+    assert "delta" in shardvar.checkpoint.Manifest.read(tmp_path / "delta").extra

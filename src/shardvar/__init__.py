@@ -13,7 +13,18 @@ from ._errors import (
     ShardvarTypeError,
     ShardvarValueError,
 )
-from .checkpoint import CheckpointError, CheckpointIOError, load, read_shard, read_shards, reshard, save
+from .checkpoint import (
+    AsyncSave,
+    CheckpointError,
+    CheckpointIOError,
+    compact,
+    load,
+    read_shard,
+    read_shards,
+    reshard,
+    save,
+)
+from .checkpoint import open_checkpoint as open  # shardvar.open(path), as zarr.open
 from .distributed import DistributedEmbedding, DistributedShardedVariable
 from .layout import Layout, SlicePlan, ceil_sizes
 from .nn import ShardedEmbedding, ShardedEmbeddingBag
@@ -83,6 +94,7 @@ __all__ = [
     "embedding_lookup_sparse",
     "fixed_size_partitioner",
     "load",
+    "open",
     "min_max_variable_partitioner",
     "partition_model",
     "partitioned_call",
@@ -92,6 +104,8 @@ __all__ = [
     "reshard",
     "safe_embedding_lookup_sparse",
     "save",
+    "compact",
+    "AsyncSave",
     "shard_tensor",
     "variable_axis_size_partitioner",
 ]

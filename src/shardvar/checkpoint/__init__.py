@@ -1,16 +1,21 @@
 """Checkpoints of logical variables: save with one layout, restore into any other."""
 
 from .._errors import CheckpointError, CheckpointIOError
+from ._async import AsyncSave
 from ._load import STAGING_BYTES, load
 from ._manifest import Manifest
-from ._reshard import read_shard, read_shards, reshard
+from ._reshard import compact, read_shard, read_shards, reshard
 from ._save import save
+from ._serve import CheckpointReader, ServedTable, open_checkpoint
 from ._write import Coordinator, Progress
 
 __all__ = [
     "STAGING_BYTES",
     "CheckpointError",
+    "AsyncSave",
+    "CheckpointReader",
     "CheckpointIOError",
+    "compact",
     "Coordinator",
     "Manifest",
     "Progress",
@@ -18,5 +23,7 @@ __all__ = [
     "read_shard",
     "read_shards",
     "reshard",
+    "ServedTable",
+    "open_checkpoint",
     "save",
 ]

@@ -17,7 +17,7 @@ import torch
 from .._errors import CheckpointError, CheckpointIOError, ShardvarError
 from .._validate import check_int
 from ..layout import Layout
-from ._files import DirectoryLock
+from ._chain import Chain, RowChanges, apply_rows
 from ._manifest import Manifest, VariableEntry
 from ._optim import check_optimizer
 from ._restore import Files, _check_file, _restore, restore_shard, restore_shards, verify_shards
@@ -34,6 +34,17 @@ class _Target:
     entry: VariableEntry
     layout: Layout | None  # None: restore the whole variable
     dests: list[tuple[int, torch.Tensor | None]]  # (shard, tensor to fill, or None for a new one)
+    files: Files  # of the checkpoint (in a chain: the link) holding ``entry``
+    changes: list[RowChanges]  # row changes of later deltas, read and verified, applied in order
+
+    def patch(self, outs: dict[int, torch.Tensor]) -> None:
+        for change in self.changes:
+            apply_rows(outs, self.layout, change)
+
+
+def _source(chain: Chain, name: str) -> tuple[VariableEntry, Files, list[RowChanges]]:
+    entry, link, later = chain.source(name)
+    return entry, link.files, chain.changes(later, entry)
 
 
 def lookup(manifest: Manifest, name: str, directory: Path) -> VariableEntry:
@@ -53,9 +64,9 @@ def _match(entry: VariableEntry, dtype: torch.dtype, shape: tuple[int, ...]) -> 
 
 
 def _optimizer_targets(
-    manifest: Manifest, state: State, key: str, optimizer: torch.optim.Optimizer, directory: Path, partial_ok: bool
+    chain: Chain, state: State, key: str, optimizer: torch.optim.Optimizer, partial_ok: bool
 ) -> tuple[list[_Target], dict[int, dict[str, Any]]]:
-    saved = manifest.extra.get("optimizers", {}).get(key)
+    saved = chain.extra.get("optimizers", {}).get(key)
     if saved is None:
         raise CheckpointError(f"optimizer {key!r} is not in the checkpoint")
     check_optimizer(saved, state, key, optimizer, partial_ok)
@@ -69,11 +80,11 @@ def _optimizer_targets(
             if scalar is not _MISSING:
                 slots.setdefault(i, {})[slot] = scalar
                 continue
-            entry = lookup(manifest, f"{key}/{name}/{slot}", directory)
+            entry, files, changes = _source(chain, f"{key}/{name}/{slot}")
             if owner is not None and entry.shape == tuple(owner[2].shape):
-                target = _Target(entry, owner[2].layout, [(owner[1], None)])
+                target = _Target(entry, owner[2].layout, [(owner[1], None)], files, changes)
             else:
-                target = _Target(entry, None, [(0, None)])
+                target = _Target(entry, None, [(0, None)], files, changes)
             targets.append(target)
             slots.setdefault(i, {})[slot] = target
     return targets, slots
@@ -82,20 +93,20 @@ def _optimizer_targets(
 _MISSING = object()
 
 
-def _plan_load(manifest: Manifest, state: State, directory: Path, partial_ok: bool) -> tuple[list[_Target], dict]:
+def _plan_load(chain: Chain, state: State, partial_ok: bool) -> tuple[list[_Target], dict]:
     targets = []
     for name, value in state.variables.items():
-        entry = lookup(manifest, name, directory)
+        entry, files, changes = _source(chain, name)
         _match(entry, value.dtype, tuple(value.shape))
         if isinstance(value, Partial):
-            targets.append(_Target(entry, value.layout, sorted(value.shards.items())))
+            targets.append(_Target(entry, value.layout, sorted(value.shards.items()), files, changes))
         else:
-            targets.append(_Target(entry, None, [(0, value)]))
+            targets.append(_Target(entry, None, [(0, value)], files, changes))
     optimizer_plans = {}
     for key, optimizer in state.optimizers.items():
-        more, slots = _optimizer_targets(manifest, state, key, optimizer, directory, partial_ok)
+        more, slots = _optimizer_targets(chain, state, key, optimizer, partial_ok)
         targets += more
-        optimizer_plans[key] = (slots, manifest.extra["optimizers"][key]["param_groups"])
+        optimizer_plans[key] = (slots, chain.extra["optimizers"][key]["param_groups"])
     return targets, optimizer_plans
 
 
@@ -103,27 +114,28 @@ def _fillable(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
     return t is not None and t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
 
 
-def _stage(files: Files, targets: list[_Target], staging_bytes: int, progress: Progress | None) -> dict:
+def _stage(targets: list[_Target], staging_bytes: int, progress: Progress | None) -> dict:
     """Read (into new tensors) or verify everything the writes will need; write nothing."""
     for t in targets:
         for piece in t.entry.pieces:
-            _check_file(files, t.entry, piece)  # sizes agree with the manifest before any allocation
+            _check_file(t.files, t.entry, piece)  # sizes agree with the manifest before any allocation
     staged: dict[int, list[torch.Tensor]] = {}
     total, done = sum(t.entry.nbytes for t in targets), 0
     small = total <= staging_bytes or all(d is None for t in targets for _, d in t.dests)
     for i, t in enumerate(targets):
         shards = [s for s, _ in t.dests]
         if small or any(d is None for _, d in t.dests):
-            staged[i] = restore_shards(files, t.entry, t.layout, shards)
+            staged[i] = restore_shards(t.files, t.entry, t.layout, shards)
+            t.patch(dict(zip(shards, staged[i], strict=True)))
             done += t.entry.nbytes
             if progress:
                 progress(done, total)
         else:
-            verify_shards(files, t.entry, t.layout, shards)
+            verify_shards(t.files, t.entry, t.layout, shards)
     return staged
 
 
-def _write_targets(files: Files, targets: list[_Target], staged: dict, progress: Progress | None) -> None:
+def _write_targets(targets: list[_Target], staged: dict, progress: Progress | None) -> None:
     total = sum(t.entry.nbytes for t in targets)
     done = sum(t.entry.nbytes for i, t in enumerate(targets) if i in staged)
     with torch.no_grad():
@@ -131,11 +143,16 @@ def _write_targets(files: Files, targets: list[_Target], staged: dict, progress:
             if i not in staged:
                 direct = {s: d.detach() for s, d in t.dests if _fillable(d, t.entry.dtype)}
                 if direct:  # straight from the files into the target's memory (verified, and locked)
-                    _restore(files, t.entry, t.layout, direct, verify=False)
+                    _restore(t.files, t.entry, t.layout, direct, verify=False)
+                    t.patch(direct)
             for k, (s, dest) in enumerate(t.dests):
                 if dest is None or (i not in staged and _fillable(dest, t.entry.dtype)):
                     continue
-                value = staged[i][k] if i in staged else restore_shard(files, t.entry, t.layout, s)
+                if i in staged:
+                    value = staged[i][k]
+                else:
+                    value = restore_shard(t.files, t.entry, t.layout, s)
+                    t.patch({s: value})
                 dest.copy_(value.reshape(dest.shape))
             if i not in staged and progress:
                 done += t.entry.nbytes
@@ -188,23 +205,18 @@ def load(
     """
     directory = Path(path)
     coordinator = coordinator or Coordinator()
-    lock = DirectoryLock(directory, exclusive=False)
-    error, locked, targets, staged, plans, state = None, False, [], {}, {}, State()
-    with Files(directory) as files:
+    error, targets, staged, plans, state, chain = None, [], {}, {}, State(), Chain()
+    try:
         try:
             check_int(staging_bytes, "staging_bytes", minimum=0)
             state = resolve(state_dict)
-            lock.__enter__()
-            locked = True
-            manifest = Manifest.read(directory)
-            targets, plans = _plan_load(manifest, state, directory, partial_ok=coordinator.world > 1)
-            staged = _stage(files, targets, staging_bytes, progress)
+            chain = Chain.open(directory)  # every link locked shared, and verified against the next
+            targets, plans = _plan_load(chain, state, partial_ok=coordinator.world > 1)
+            staged = _stage(targets, staging_bytes, progress)
         except Exception as e:
             error = _as_checkpoint_error(e, directory)
-        try:
-            agree(coordinator, error)  # every process checked its part: write only if all can
-            _write_targets(files, targets, staged, progress)
-        finally:
-            if locked:
-                lock.__exit__(None, None, None)
+        agree(coordinator, error)  # every process checked its part: write only if all can
+        _write_targets(targets, staged, progress)
+    finally:
+        chain.close()
     _apply_optimizers(state, plans, targets, staged)

@@ -86,6 +86,7 @@ class Manifest:
     variables: dict[str, VariableEntry]
     extra: dict[str, Any] = field(default_factory=dict)
     save_id: str = ""
+    checksum: str = ""  # of the manifest as read (set by ``read``; a delta names its base by it)
 
     def files(self) -> set[str]:
         return {p.file for v in self.variables.values() for p in v.pieces}
@@ -170,7 +171,7 @@ def parse(raw: Any, path: Path) -> Manifest:
         entries = {_name(n): _variable(n, v) for n, v in variables.items()}
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    return Manifest(entries, extra, save_id)
+    return Manifest(entries, extra, save_id, raw["checksum"])
 
 
 def _check_keys(obj: Any, keys: set[str], where: str) -> dict:

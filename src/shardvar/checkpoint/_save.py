@@ -6,13 +6,17 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .._errors import CheckpointError, ShardvarError
-from .._validate import check_bool
+from .._errors import CheckpointError, CheckpointIOError, ShardvarError
+from .._validate import check_bool, check_int
+from ._async import AsyncSave, stage, start, wait_for_previous
+from ._delta import Delta, delta_entries, find_changes, remember
 from ._optim import optimizer_info, optimizer_state
 from ._state import resolve
 from ._write import Coordinator, Entry, Progress, agree, check_dtypes, entry_of, write
 
-__all__ = ["save"]
+__all__ = ["save", "AsyncSave"]
+
+_LOCAL = Coordinator()  # this process's saves (the distributed layer passes its own)
 
 
 def _plan_save(state_dict: dict[str, Any]) -> tuple[list[Entry], dict]:
@@ -33,36 +37,84 @@ def save(
     progress: Progress | None = None,
     keep_spare: bool = True,
     coordinator: Coordinator | None = None,
-) -> None:
+    asynchronous: bool = False,
+    staging_bytes: int | None = None,
+    delta_of: str | os.PathLike | None = None,
+) -> AsyncSave | None:
     """Save ShardedVariables, tensors, modules and optimizers as logical variables under ``path``.
 
     The previous save's data files are kept as ``spare-*`` files (up to this checkpoint's size)
     and overwritten in place by the next save, which is several times faster than allocating new
     files on thin-provisioned disks; ``keep_spare=False`` deletes them instead.
 
+    With ``asynchronous=True`` the save copies what it writes (at most ``staging_bytes``, when
+    given) and returns an :class:`AsyncSave` at once; training may change the variables while it
+    writes in the background. ``handle.wait()`` returns once it is committed, or raises its error.
+
+    With ``delta_of=base`` (a checkpoint, itself possibly a delta) only the rows that differ from
+    ``base`` are written for variables split by rows (optimizer state included); ``load`` follows
+    the chain, verifying every link, and ``compact`` folds it into one checkpoint.
+
     >>> import tempfile, torch
     >>> from shardvar import ShardedVariable, load
     >>> v = ShardedVariable([torch.zeros(2, 3), torch.ones(2, 3)])
-    >>> with tempfile.TemporaryDirectory() as d:
-    ...     save({"table": v}, d)
-    ...     w = ShardedVariable([torch.empty(3, 3), torch.empty(1, 3)])   # another layout
-    ...     load({"table": w}, d)
-    ...     w.to_tensor()[:, 0].tolist()
+    >>> d = tempfile.mkdtemp()
+    >>> save({"v": v}, d)
+    >>> w = ShardedVariable([torch.empty(1, 3) for _ in range(4)], strategy="mod")
+    >>> load({"v": w}, d)
+    >>> w.to_tensor()[:, 0].tolist()
     [0.0, 0.0, 1.0, 1.0]
     """
     directory = Path(path)
     if directory.exists() and not directory.is_dir():
         raise CheckpointError(f"checkpoint path {directory} exists and is not a directory")
-    coordinator = coordinator or Coordinator()
     check_bool(keep_spare, "keep_spare")
-    entries: list[Entry] = []
-    extra: dict[str, Any] = {}
-    error = None
+    check_bool(asynchronous, "asynchronous")
+    if staging_bytes is not None:
+        check_int(staging_bytes, "staging_bytes", minimum=0)
+    if delta_of is not None and not isinstance(delta_of, (str, os.PathLike)):
+        raise CheckpointError(f"delta_of must be the path of a checkpoint; got {type(delta_of).__name__}")
+    coordinator = coordinator or _LOCAL
+    key = getattr(coordinator, "key", coordinator)
+    wait_for_previous(key)  # one save per coordinator at a time
+    entries, extra, delta = _planned(state_dict, directory, delta_of, coordinator)
+    if not asynchronous:
+        save_id = write(directory, entries, extra, progress, keep_spare, coordinator)
+        if delta is not None:
+            remember(save_id, delta.fingerprints)
+        return None
+    error, staged = None, []
     try:
-        entries, extra = _plan_save(state_dict)
+        staged = stage(entries, staging_bytes)
     except ShardvarError as e:
         error = e
+    agree(coordinator, error)  # every rank staged its part (or all raise)
+
+    def run() -> None:
+        save_id = write(directory, staged, extra, progress, keep_spare, coordinator)
+        if delta is not None:
+            remember(save_id, delta.fingerprints)
+
+    return start(key, directory, run)
+
+
+def _planned(
+    state_dict: dict[str, Any], directory: Path, delta_of: str | os.PathLike | None, coordinator: Coordinator
+) -> tuple[list[Entry], dict[str, Any], Delta | None]:
+    entries: list[Entry] = []
+    extra: dict[str, Any] = {}
+    error, delta = None, None
+    try:
+        entries, extra = _plan_save(state_dict)
+        if delta_of is not None:
+            delta = find_changes(entries, delta_of, directory)
+    except ShardvarError as e:
+        error = e
+    except OSError as e:
+        error = CheckpointIOError(f"reading the base checkpoint {delta_of} failed: {e}")
     agree(coordinator, error)  # every rank reaches this point, also one whose state failed to plan
+    if delta is not None:
+        entries, extra["delta"] = delta_entries(delta, coordinator)
     if coordinator.rank != 0:  # replicated values (plain tensors) are written once, by rank 0
         entries = [e for e in entries if not e.replicated]
-    write(directory, entries, extra, progress, keep_spare, coordinator)
+    return entries, extra, delta

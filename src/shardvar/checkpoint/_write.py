@@ -238,8 +238,8 @@ def write(
     progress: Progress | None,
     keep_spare: bool = True,
     coordinator: Coordinator | None = None,
-) -> None:
-    """Write ``entries`` as a new save in ``directory`` (each process its own shards) and commit it."""
+) -> str:
+    """Write ``entries`` as a new save in ``directory`` (each process its own shards), commit it, return its id."""
     coordinator = coordinator or Coordinator()
     single = coordinator.world == 1
     lock = DirectoryLock(directory, exclusive=True) if coordinator.rank == 0 else contextlib.nullcontext()
@@ -252,14 +252,14 @@ def write(
         lock = contextlib.nullcontext()
     try:
         agree(coordinator, error)
-        _write_and_commit(directory, entries, extra, progress, keep_spare and single, coordinator)
+        return _write_and_commit(directory, entries, extra, progress, keep_spare and single, coordinator)
     finally:
         lock.__exit__(None, None, None)
 
 
 def _write_and_commit(
     directory: Path, entries: list[Entry], extra: dict, progress: Progress | None, keep_spare: bool, c: Coordinator
-) -> None:
+) -> str:
     save_id = c.common_save_id()
     error, written = None, {}
     try:
@@ -294,3 +294,4 @@ def _write_and_commit(
                 )
             )
     agree(c, commit_error)  # every rank learns whether the save committed
+    return save_id

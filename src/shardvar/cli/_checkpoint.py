@@ -1,11 +1,13 @@
-"""``shardvar inspect`` and ``shardvar reshard``."""
+"""``shardvar inspect``, ``shardvar reshard`` and ``shardvar compact``."""
 
 from __future__ import annotations
 
 import argparse
 
 from .._errors import ShardvarError
-from ..checkpoint import Manifest, reshard
+from ..checkpoint import Manifest, compact, reshard
+from ..checkpoint._chain import Chain
+from ..layout import STRATEGIES
 from ._progress import ProgressBar
 from ._table import format_bytes, format_sizes, render_table
 
@@ -42,7 +44,28 @@ def run_inspect(args: argparse.Namespace) -> int:
     print(render_table(["variable", "dtype", "shape", "saved layout", "bytes", "pieces"], rows))
     total = sum(v.nbytes for v in manifest.variables.values())
     print(f"\n{len(rows)} variables, {format_bytes(total)} in {len(manifest.files())} file(s)")
+    if "delta" in manifest.extra:
+        _print_chain(args.path)
     return 0
+
+
+def _print_chain(path: str) -> None:
+    """The chain a delta stands on, oldest first, each link verified as a load would."""
+    try:
+        with Chain.open(path) as chain:
+            rows = []
+            for k, link in enumerate(chain.links):
+                deltas = (link.manifest.extra.get("delta") or {}).get("rows", {})
+                changed = {n: link.manifest.variables[spec["rows"]].shape[0] for n, spec in deltas.items()}
+                what = ", ".join(f"{printable(n)}: {c} rows" for n, c in sorted(changed.items())) or "-"
+                size = sum(v.nbytes for v in link.manifest.variables.values())
+                kind = "base" if k == 0 else f"delta {k}"
+                where = printable(str(link.directory))
+                rows.append([kind, where, link.manifest.save_id[:12], format_bytes(size), what])
+    except ShardvarError as e:
+        raise SystemExit(f"shardvar inspect: the chain is broken: {e}") from None
+    print("\nchain (oldest first; `shardvar compact` folds it into one checkpoint):")
+    print(render_table(["link", "path", "save", "bytes", "changed rows"], rows))
 
 
 def run_reshard(args: argparse.Namespace) -> int:
@@ -52,6 +75,16 @@ def run_reshard(args: argparse.Namespace) -> int:
     except ShardvarError as e:
         raise SystemExit(f"shardvar reshard: {e}") from None
     print(f"wrote {args.dst}: every variable in {args.shards} {args.strategy} shards")
+    return 0
+
+
+def run_compact(args: argparse.Namespace) -> int:
+    try:
+        with ProgressBar("compact") as bar:
+            compact(args.src, args.dst, progress=bar, overwrite=args.force)
+    except ShardvarError as e:
+        raise SystemExit(f"shardvar compact: {e}") from None
+    print(f"wrote {args.dst}: the chain ending at {args.src} as one checkpoint")
     return 0
 
 
@@ -73,6 +106,11 @@ def add_checkpoint_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--shards", type=_positive, required=True)
-    p.add_argument("--strategy", choices=["div", "mod"], default="div")
+    p.add_argument("--strategy", choices=sorted(STRATEGIES), default="div")
     p.add_argument("--force", action="store_true", help="replace a checkpoint already at DST")
     p.set_defaults(func=run_reshard)
+    p = sub.add_parser("compact", help="fold a delta checkpoint and its chain into one full checkpoint")
+    p.add_argument("src", help="the newest delta of the chain")
+    p.add_argument("dst")
+    p.add_argument("--force", action="store_true", help="replace a checkpoint already at DST")
+    p.set_defaults(func=run_compact)

@@ -19,6 +19,7 @@ from torch import nn
 
 from .._errors import ShardvarError
 from ..checkpoint import save
+from ..layout import STRATEGIES
 from ._demo_model import Clicks, RecModel, _eval_batch, _other, _restore_and_compare, _tables, _train
 from ._table import format_bytes, format_sizes, render_table
 
@@ -110,7 +111,7 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--items", type=int, default=20_000, help="rows of the item table")
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--shards", type=int, default=4, help="shards per table")
-    p.add_argument("--strategy", choices=["div", "mod"], default="mod")
+    p.add_argument("--strategy", choices=sorted(STRATEGIES), default="mod")
     p.add_argument("--restore-shards", type=int, default=3, help="shards to restore into (with the other strategy)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=512)

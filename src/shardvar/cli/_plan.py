@@ -6,6 +6,7 @@ import argparse
 import math
 
 from .._errors import ShardvarError
+from ..layout import STRATEGIES
 from ..partitioners import (
     FixedShardsPartitioner,
     MaxSizePartitioner,
@@ -154,7 +155,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--dtype", default="float32", help="torch dtype name, or 'string'")
     p.add_argument("--axis", type=int, default=0)
-    p.add_argument("--strategy", choices=["div", "mod"], default="div")
+    p.add_argument("--strategy", choices=sorted(STRATEGIES), default="div")
     p.add_argument(
         "--device",
         action="append",

@@ -12,7 +12,9 @@ import os
 import uuid
 from typing import Any
 
-from ..checkpoint import STAGING_BYTES, Coordinator, Progress
+import torch.distributed as dist
+
+from ..checkpoint import STAGING_BYTES, AsyncSave, Coordinator, Progress
 from ..checkpoint import load as _load
 from ..checkpoint import save as _save
 from ._comm import DEFAULT_TIMEOUT, Comm
@@ -27,6 +29,7 @@ class GroupCoordinator(Coordinator):
 
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
+        self.key = comm  # saves over one communicator run one at a time
         self.rank, self.world = comm.rank, comm.world
 
     def common_save_id(self) -> str:
@@ -39,10 +42,14 @@ class GroupCoordinator(Coordinator):
         self.comm.barrier("checkpoint commit")
 
 
-def _coordinator(group: Any, timeout: float) -> GroupCoordinator:
-    key = (id(group), timeout)
+def _coordinator(group: Any, timeout: float, background: bool = False) -> GroupCoordinator:
+    """Agreement over ``group``; a background save gets a group of its own (created once, by
+    every rank), so its collectives never interleave with the training's."""
+    key = (id(group), timeout, background)
     if key not in _COMMS:
-        _COMMS[key] = Comm(group, timeout)
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        own = dist.new_group(ranks=ranks, backend="gloo") if background else group
+        _COMMS[key] = Comm(own, timeout)
     return GroupCoordinator(_COMMS[key])
 
 
@@ -53,13 +60,29 @@ def save(
     group: Any = None,
     timeout: float = DEFAULT_TIMEOUT,
     progress: Progress | None = None,
-) -> None:
+    asynchronous: bool = False,
+    staging_bytes: int | None = None,
+    delta_of: str | os.PathLike | None = None,
+) -> AsyncSave | None:
     """Like :func:`shardvar.save`, called by every rank: each writes its own shards.
 
     ``state_dict`` may hold DistributedShardedVariables, modules with DistributedEmbeddings,
-    replicated tensors and modules (written once, by rank 0), and each rank's optimizer.
+    replicated tensors and modules (written once, by rank 0), and each rank's optimizer. With
+    ``asynchronous=True`` every rank returns once its snapshot is staged; the ranks' writers agree
+    over a process group of their own, so training's collectives go on undisturbed. With
+    ``delta_of`` each rank writes the rows of its shards that changed since that checkpoint.
     """
-    _save(state_dict, path, progress=progress, keep_spare=False, coordinator=_coordinator(group, timeout))
+    coordinator = _coordinator(group, timeout, background=bool(asynchronous))
+    return _save(
+        state_dict,
+        path,
+        progress=progress,
+        keep_spare=False,
+        coordinator=coordinator,
+        asynchronous=asynchronous,
+        staging_bytes=staging_bytes,
+        delta_of=delta_of,
+    )
 
 
 def load(
