@@ -291,3 +291,24 @@ def test_the_format_doc_reads_a_checkpoint_without_shardvar(tmp_path, monkeypatc
     namespace: dict = {}
     exec(compile(block, "checkpoint-format.md", "exec"), namespace)
     assert torch.equal(torch.from_numpy(namespace["out"]), model.emb.weight.to_tensor().detach())
+
+
+def test_version_2_checkpoints_with_crc32_checksums_still_load_and_verify(tmp_path, monkeypatch) -> None:
+    from shardvar.checkpoint import _manifest, _safetensors
+
+    t = torch.randn(50, 3)
+    with monkeypatch.context() as m:  # write as the previous release did
+        m.setattr(_safetensors, "CHECKSUM", "crc32")
+        m.setattr(_manifest, "VERSION", 2)
+        shardvar.save({"t": shardvar.shard_tensor(t, shardvar.Layout.mod(50, 2))}, tmp_path)
+    raw = json.loads((tmp_path / "manifest.json").read_text())
+    assert raw["version"] == 2 and "crc32" in raw["variables"]["t"]["pieces"][0]
+    assert torch.equal(shardvar.read_shard(tmp_path, "t"), t)
+    with shardvar.open(tmp_path) as served:
+        assert torch.equal(served["t"].lookup(torch.tensor([49, 0])), t[[49, 0]])
+    piece = raw["variables"]["t"]["pieces"][0]
+    with open(tmp_path / piece["file"], "r+b") as f:
+        f.seek(piece["begin"])
+        f.write(b"\x00\x00\x80\x7f")
+    with pytest.raises(shardvar.CheckpointError, match="checksum"):
+        shardvar.read_shard(tmp_path, "t")

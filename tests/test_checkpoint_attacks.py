@@ -114,12 +114,13 @@ HOSTILE = {
     "string-variables": (lambda m: m.update(variables="v"), "'variables' must be objects"),
     "list-piece": (lambda m: m["variables"]["v"]["pieces"].__setitem__(0, [1, 2]), "a piece must have exactly"),
     "extra-field": (lambda m: m["variables"]["v"].update(owner="root"), "must have exactly the fields"),
-    "crc-out-of-range": (lambda m: piece(m).update(crc32=[2**40]), "crc32 must be an integer"),
+    "checksum-out-of-range": (lambda m: piece(m).update(xxh3_64=[2**64]), "xxh3_64 must be an integer"),
+    "checksum-of-another-version": (lambda m: piece(m).update(crc32=piece(m).pop("xxh3_64")), "exactly the fields"),
     "declared-64-gib": (
         lambda m: m["variables"]["v"].update(
             shape=[2**31, 8], layout={"strategy": "div", "sizes": [2**31], "axis": 0}
         ) or m["variables"]["v"].update(pieces=[{**piece(m), "start": 0, "step": 1, "count": 2**31, "shape": [2**31, 8],
-                                                  "crc32": [0] * -(-(2**31) // piece(m)["chunk_rows"])}]),
+                                                  "xxh3_64": [0] * -(-(2**31) // piece(m)["chunk_rows"])}]),
         "was saved as torch.float32 \\[2147483648, 8\\]",
     ),
     "bad-save-id": (lambda m: m.update(save_id="../../x"), "save_id must be a hex string"),
@@ -252,7 +253,7 @@ def test_our_files_and_the_safetensors_package_read_each_other(tmp_path) -> None
     with open(theirs, "rb") as f:
         for k, t in tensors.items():
             begin = 8 + header_len + header[k]["data_offsets"][0]
-            info = StoredTensor(k, tuple(t.shape), t.dtype, begin, stored[k].chunk_rows, stored[k].crc32)
+            info = StoredTensor(k, tuple(t.shape), t.dtype, begin, stored[k].chunk_rows, stored[k].sums)
             assert torch.equal(read_chunks(f, info, 0, 0), t), k  # same bytes, same checksums
 
 

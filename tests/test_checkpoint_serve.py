@@ -51,7 +51,7 @@ def test_a_damaged_chunk_is_refused_when_read_and_other_chunks_still_serve(tmp_p
     t = torch.randn(40_000, 64)  # several checksum chunks per piece
     shardvar.save({"t": shard_tensor(t, Layout.balanced("div", 40_000, 1))}, tmp_path)
     piece = Manifest.read(tmp_path).variables["t"].pieces[0]
-    assert len(piece.crc32) > 1
+    assert len(piece.sums) > 1
     last = piece.begin + (piece.shape[0] - 1) * 64 * 4  # the last row
     with open(tmp_path / piece.file, "r+b") as f:
         f.seek(last)
@@ -88,14 +88,13 @@ def test_a_delta_chain_is_served_with_its_newest_rows(tmp_path) -> None:
 
 SERVE = textwrap.dedent(
     """
-    import json, resource, sys, torch, shardvar
-    def rss():
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize()
+    import json, sys, torch, shardvar
+    def rss():  # private memory: mapped file pages are the page cache, shared by every server
+        return int(next(l for l in open("/proc/self/status") if l.startswith("RssAnon")).split()[1]) * 1024
     torch.manual_seed(int(sys.argv[2]))
     served = shardvar.open(sys.argv[1])["t"]
     before = rss()
-    ids = torch.randint(0, 8192, (2000,))  # hot rows: the first 4 MiB of a 128 MiB table
+    ids = torch.randint(0, served.shape[0], (2000,))  # rows all over a 128 MiB table
     rows = served.lookup(ids)
     print(json.dumps({"grew": rss() - before, "sum": float(rows.double().sum()), "ids": ids.tolist()}))
     """
@@ -119,5 +118,5 @@ def test_many_processes_serve_at_once_and_memory_grows_with_rows_read_not_table_
     assert all(p.returncode == 0 for p in procs)
     full = shardvar.read_shard(tmp_path / "c", "t")
     for r in results:
-        assert r["grew"] < 24 << 20, r["grew"]  # the chunks read (4 MiB each), not the table
+        assert r["grew"] < 24 << 20, r["grew"]  # the rows read, not the table (every chunk is verified)
         assert r["sum"] == pytest.approx(float(full[torch.tensor(r["ids"])].double().sum()), rel=1e-9)

@@ -1,7 +1,7 @@
 """Checkpoints of logical variables: save with one layout, restore into any other."""
 
 from .._errors import CheckpointError, CheckpointIOError
-from ._async import AsyncSave
+from ._async import AsyncSave, release_staging
 from ._load import STAGING_BYTES, load
 from ._manifest import Manifest
 from ._reshard import compact, read_shard, read_shards, reshard
@@ -21,6 +21,7 @@ __all__ = [
     "Progress",
     "load",
     "read_shard",
+    "release_staging",
     "read_shards",
     "reshard",
     "ServedTable",

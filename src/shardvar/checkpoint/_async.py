@@ -4,6 +4,10 @@ The snapshot is a staging copy of every tensor the save writes (bounded by ``sta
 taken before ``save`` returns, so training may change the variables at once; a thread then
 writes and commits the copy with the same guarantees as a synchronous save (a crash leaves the
 previous checkpoint). One save per coordinator runs at a time: the next waits for the last.
+
+The staging buffers are kept for the next asynchronous save of the same saver, as PyTorch's
+distributed checkpoint caches its staging state: filling fresh memory costs page faults that
+make the copy about 3x slower. :func:`release_staging` frees them.
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ import torch
 from .._errors import CheckpointError
 from ._write import Entry
 
-__all__ = ["AsyncSave", "stage", "start", "wait_for_previous"]
+__all__ = ["AsyncSave", "release_staging", "stage", "start", "wait_for_previous"]
 
 _IN_FLIGHT: dict[object, AsyncSave] = {}
+_STAGING: dict[object, dict[tuple, torch.Tensor]] = {}  # saver -> its last save's staging buffers
 _LOCK = threading.Lock()
 
 
@@ -54,20 +59,41 @@ class AsyncSave:
         return f"AsyncSave({str(self.path)!r}, {state})"
 
 
-def stage(entries: list[Entry], budget: int | None) -> list[Entry]:
-    """Copies of everything ``entries`` write, taken now; the entries then read the copies."""
+def stage(entries: list[Entry], budget: int | None, key: object) -> list[Entry]:
+    """Copies of everything ``entries`` write, taken now; the entries then read the copies.
+
+    Called once the saver's previous background save has finished, so its buffers are free.
+    """
     total = sum(e.nbytes for e in entries)
     if budget is not None and total > budget:
         raise CheckpointError(
             f"an asynchronous save needs {total} bytes of staging copies but staging_bytes={budget}; "
             "raise it, or save synchronously"
         )
+    old, buffers = _STAGING.pop(key, {}), {}
     staged = []
     with torch.no_grad():
         for e in entries:
-            copies = {s: e.produce(s).detach().to("cpu", copy=True) for s in e.shard_shapes}
+            copies = {}
+            for s in e.shard_shapes:
+                value = e.produce(s).detach()
+                slot = (e.name, s, tuple(value.shape), value.dtype)
+                buffer = old.pop(slot, None)
+                if buffer is None:
+                    buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+                copies[s] = buffers[slot] = buffer.copy_(value)
             staged.append(Entry(e.name, e.dtype, e.shape, e.layout, e.shard_shapes, copies.__getitem__, e.replicated))
+    _STAGING[key] = buffers
     return staged
+
+
+def release_staging() -> None:
+    """Free the staging buffers kept for the next asynchronous saves (after waiting for them)."""
+    with _LOCK:
+        running = list(_IN_FLIGHT.values())
+    for handle in running:
+        handle._thread.join()
+    _STAGING.clear()
 
 
 def wait_for_previous(key: object) -> None:

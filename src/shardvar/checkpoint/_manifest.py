@@ -21,13 +21,14 @@ import torch
 from .._errors import CheckpointError, ShardvarError
 from ..layout import Layout
 from ._files import open_regular
-from ._safetensors import DTYPE_CODES, StoredTensor
+from ._safetensors import CHECKSUM, CHECKSUMS, DTYPE_CODES, StoredTensor
 
-__all__ = ["CheckpointError", "Piece", "VariableEntry", "Manifest", "MANIFEST", "FORMAT", "VERSION"]
+__all__ = ["CheckpointError", "Piece", "VariableEntry", "Manifest", "MANIFEST", "FORMAT", "VERSION", "READABLE"]
 
 MANIFEST = "manifest.json"
 FORMAT = "shardvar-checkpoint"
-VERSION = 2
+VERSION = 3  # 3: chunk checksums are xxh3_64; version 2 (crc32) is still read
+READABLE = {2: "crc32", 3: "xxh3_64"}  # version -> its chunk checksum
 MAX_MANIFEST_BYTES = 256 << 20
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*\.safetensors$")
 _DTYPES = {str(d).removeprefix("torch."): d for d in DTYPE_CODES}
@@ -45,11 +46,12 @@ class Piece:
     count: int
     shape: tuple[int, ...]
     chunk_rows: int
-    crc32: tuple[int, ...]
+    sums: tuple[int, ...]  # one checksum per chunk of ``chunk_rows`` rows
     begin: int  # byte offset of its data in ``file``
+    checksum: str = CHECKSUM  # which function made ``sums`` (a name in CHECKSUMS)
 
     def stored(self, dtype: torch.dtype) -> StoredTensor:
-        return StoredTensor(self.key, self.shape, dtype, self.begin, self.chunk_rows, self.crc32)
+        return StoredTensor(self.key, self.shape, dtype, self.begin, self.chunk_rows, self.sums, self.checksum)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -61,7 +63,7 @@ class Piece:
             "shape": list(self.shape),
             "begin": self.begin,
             "chunk_rows": self.chunk_rows,
-            "crc32": list(self.crc32),
+            self.checksum: list(self.sums),
         }
 
 
@@ -153,9 +155,9 @@ def parse(raw: Any, path: Path) -> Manifest:
     """The manifest ``raw`` (parsed JSON) describes, after checking its checksum and every field."""
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise CheckpointError(f'{path} is not a shardvar checkpoint manifest (no "format": {FORMAT!r})')
-    if raw.get("version") != VERSION:
+    if type(raw.get("version")) is not int or raw["version"] not in READABLE:
         raise CheckpointError(
-            f"{path} has format version {raw.get('version')!r:.40}; this shardvar reads version {VERSION} "
+            f"{path} has format version {raw.get('version')!r:.40}; this shardvar reads versions {sorted(READABLE)} "
             "(version 1 manifests carry no checksum: re-save them with the shardvar that wrote them)"
         )
     body = {k: v for k, v in raw.items() if k != "checksum"}
@@ -168,7 +170,8 @@ def parse(raw: Any, path: Path) -> Manifest:
     if not isinstance(extra, dict) or not isinstance(variables, dict):
         raise CheckpointError(f"{path}: 'extra' and 'variables' must be objects")
     try:
-        entries = {_name(n): _variable(n, v) for n, v in variables.items()}
+        checksum = READABLE[raw["version"]]
+        entries = {_name(n): _variable(n, v, checksum) for n, v in variables.items()}
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
     return Manifest(entries, extra, save_id, raw["checksum"])
@@ -199,7 +202,7 @@ def _ints(value: Any, what: str, minimum: int = 0, maximum: int = _BIG, limit: i
     return tuple(_int(v, what, minimum, maximum) for v in value)
 
 
-def _variable(name: str, v: Any) -> VariableEntry:
+def _variable(name: str, v: Any, checksum: str) -> VariableEntry:
     where = f"variable {name!r}"
     _check_keys(v, {"dtype", "shape", "layout", "pieces"}, where)
     dtype = _DTYPES.get(v["dtype"]) if isinstance(v["dtype"], str) else None
@@ -215,16 +218,16 @@ def _variable(name: str, v: Any) -> VariableEntry:
             raise CheckpointError(f"{where} has an invalid layout {v['layout']!r:.200}: {e}") from None
     if not isinstance(v["pieces"], list) or len(v["pieces"]) > (layout.num_shards if layout else 1):
         raise CheckpointError(f"{where}: pieces must be a list with one piece per saved shard")
-    pieces = [_piece(where, p) for p in v["pieces"]]
+    pieces = [_piece(where, p, checksum) for p in v["pieces"]]
     _check_cover(name, shape, layout, pieces)
     return VariableEntry(name, dtype, shape, layout, tuple(pieces))
 
 
-_PIECE_KEYS = {"file", "key", "start", "step", "count", "shape", "begin", "chunk_rows", "crc32"}
+_PIECE_KEYS = {"file", "key", "start", "step", "count", "shape", "begin", "chunk_rows"}
 
 
-def _piece(where: str, p: Any) -> Piece:
-    _check_keys(p, _PIECE_KEYS, f"{where}: a piece")
+def _piece(where: str, p: Any, checksum: str) -> Piece:
+    _check_keys(p, _PIECE_KEYS | {checksum}, f"{where}: a piece")
     if not isinstance(p["file"], str) or not _FILE_NAME.match(p["file"]):
         raise CheckpointError(
             f"{where} names file {p['file']!r:.80}, which is not a plain file name inside the checkpoint"
@@ -239,8 +242,9 @@ def _piece(where: str, p: Any) -> Piece:
         _int(p["count"], f"{where} count"),
         _ints(p["shape"], f"{where} piece shape"),
         _int(p["chunk_rows"], f"{where} chunk_rows", 1),
-        _ints(p["crc32"], f"{where} crc32", 0, 2**32 - 1, limit=1 << 24),
+        _ints(p[checksum], f"{where} {checksum}", 0, CHECKSUMS[checksum][1], limit=1 << 24),
         _int(p["begin"], f"{where} begin"),
+        checksum,
     )
 
 
@@ -249,7 +253,7 @@ def _check_cover(name: str, shape: tuple[int, ...], layout: Layout | None, piece
     if layout is None:
         if len(shape) != 0 or len(pieces) != 1 or pieces[0].shape != shape:
             raise CheckpointError(f"variable {name!r}: a 0-d variable needs one piece of shape {list(shape)}")
-        if len(pieces[0].crc32) != 1:
+        if len(pieces[0].sums) != 1:
             raise CheckpointError(f"variable {name!r}: a 0-d piece has one checksum")
         return
     if len(pieces) != layout.num_shards:
@@ -265,5 +269,5 @@ def _check_cover(name: str, shape: tuple[int, ...], layout: Layout | None, piece
                 f"with shape {list(expected_shape)}"
             )
         rows = p.shape[0] if p.shape else 1
-        if len(p.crc32) != max(1, -(-rows // p.chunk_rows)):
-            raise CheckpointError(f"variable {name!r}, piece {p.key!r}: {len(p.crc32)} checksums for {rows} rows")
+        if len(p.sums) != max(1, -(-rows // p.chunk_rows)):
+            raise CheckpointError(f"variable {name!r}, piece {p.key!r}: {len(p.sums)} checksums for {rows} rows")

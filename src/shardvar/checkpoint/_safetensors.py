@@ -2,8 +2,10 @@
 
 The format (https://github.com/huggingface/safetensors): an 8-byte little-endian header length,
 a JSON header mapping each tensor name to dtype, shape and data offsets, then the raw bytes.
-Writing streams each tensor and computes one crc32 per chunk of rows; reading fetches only the
-chunks asked for, with plain ``readinto`` (no mmap, so the address space stays small).
+Writing streams each tensor and computes one checksum per chunk of rows (xxh3-64 from the
+``xxhash`` package, about 5x faster than zlib's crc32, which version-2 checkpoints used and are
+still read with); reading fetches only the chunks asked for, with plain ``readinto`` (no mmap,
+so the address space stays small).
 """
 
 from __future__ import annotations
@@ -13,15 +15,22 @@ import math
 import os
 import struct
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import BinaryIO
 
 import torch
+import xxhash
 
-__all__ = ["DTYPE_CODES", "CHUNK_BYTES", "FileWriter", "StoredTensor", "read_chunks"]
+__all__ = ["CHECKSUMS", "CHECKSUM", "DTYPE_CODES", "CHUNK_BYTES", "FileWriter", "StoredTensor", "read_chunks"]
 
 CHUNK_BYTES = 4 << 20  # checksum granularity: partial reads verify exactly the chunks they touch
+CHECKSUMS: dict[str, tuple[Callable[[memoryview], int], int]] = {  # name -> (function, largest value)
+    "crc32": (zlib.crc32, 2**32 - 1),
+    "xxh3_64": (xxhash.xxh3_64_intdigest, 2**64 - 1),
+}
+CHECKSUM = "xxh3_64"  # what new saves write
 
 # Every dtype the safetensors format names (its Rust crate and Python package); complex128 has
 # no name there, so it cannot be saved (refused before any file is touched).
@@ -51,14 +60,15 @@ DTYPE_CODES = {getattr(torch, name): code for name, code in _NAMES.items() if ha
 
 @dataclass(frozen=True)
 class StoredTensor:
-    """Where one tensor's bytes lie and the crc32 of each chunk of ``chunk_rows`` rows."""
+    """Where one tensor's bytes lie and the checksum of each chunk of ``chunk_rows`` rows."""
 
     key: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     begin: int  # byte offset of the data in the file
     chunk_rows: int
-    crc32: tuple[int, ...]
+    sums: tuple[int, ...]
+    checksum: str = CHECKSUM  # a name in CHECKSUMS
 
     @property
     def row_bytes(self) -> int:
@@ -114,13 +124,14 @@ class FileWriter:
         chunk_rows = chunk_rows_for(shape, dtype)
         data = _bytes_of(t)
         step = max(1, chunk_rows * (len(data) // max(shape[0], 1) if shape else len(data)))
-        crcs = []
+        name = CHECKSUM
+        sums, checksum = [], CHECKSUMS[name][0]
         for i in range(0, max(len(data), 1), step):
             piece = data[i : i + step]
-            crcs.append(zlib.crc32(piece))
+            sums.append(checksum(piece))
             self._file.write(piece)
         begin = self._start + self._header[key]["data_offsets"][0]  # type: ignore[index]
-        stored = StoredTensor(key, shape, dtype, begin, chunk_rows, tuple(crcs))
+        stored = StoredTensor(key, shape, dtype, begin, chunk_rows, tuple(sums), name)
         self.stored.append(stored)
         return stored
 
@@ -156,7 +167,7 @@ def read_chunks(
     out: torch.Tensor | None = None,
     pool: Executor | None = None,
 ) -> torch.Tensor:
-    """Rows of chunks ``first..last`` (inclusive) of ``stored``, each chunk's crc32 checked.
+    """Rows of chunks ``first..last`` (inclusive) of ``stored``, each chunk's checksum checked.
 
     With ``out`` (contiguous, exactly those rows) the bytes land there directly, with no copy.
     """
@@ -177,12 +188,11 @@ def read_chunks(
     if verify:
         step = stored.chunk_rows * row_bytes
         parts = [view[i * step : (i + 1) * step] for i in range(last - first + 1)]
-        # zlib.crc32 releases the GIL: chunks are checked on several cores at once.
-        crcs = (
-            list(pool.map(zlib.crc32, parts)) if pool is not None and len(parts) > 1 else [zlib.crc32(p) for p in parts]
-        )
+        # Both checksums release the GIL: chunks are checked on several cores at once.
+        checksum = CHECKSUMS[stored.checksum][0]
+        sums = list(pool.map(checksum, parts)) if pool is not None and len(parts) > 1 else [checksum(p) for p in parts]
         for i, c in enumerate(range(first, last + 1)):
-            if crcs[i] != stored.crc32[c]:
+            if sums[i] != stored.sums[c]:
                 raise ValueError(
                     f"checksum mismatch in tensor {stored.key!r}, rows {c * stored.chunk_rows}.. (chunk {c})"
                 )

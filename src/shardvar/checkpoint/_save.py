@@ -50,6 +50,8 @@ def save(
     With ``asynchronous=True`` the save copies what it writes (at most ``staging_bytes``, when
     given) and returns an :class:`AsyncSave` at once; training may change the variables while it
     writes in the background. ``handle.wait()`` returns once it is committed, or raises its error.
+    The staging buffers are kept for the saver's next asynchronous save
+    (``shardvar.checkpoint.release_staging()`` frees them).
 
     With ``delta_of=base`` (a checkpoint, itself possibly a delta) only the rows that differ from
     ``base`` are written for variables split by rows (optimizer state included); ``load`` follows
@@ -85,7 +87,7 @@ def save(
         return None
     error, staged = None, []
     try:
-        staged = stage(entries, staging_bytes)
+        staged = stage(entries, staging_bytes, key)
     except ShardvarError as e:
         error = e
     agree(coordinator, error)  # every rank staged its part (or all raise)

@@ -12,9 +12,9 @@ changed rows (kept in memory, deduplicated, newest wins).
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from ._chain import Chain, RowChanges
 from ._files import open_regular
 from ._manifest import MANIFEST, Piece, VariableEntry
 from ._reshard import read_shard
+from ._safetensors import CHECKSUMS
 
 __all__ = ["open_checkpoint", "CheckpointReader", "ServedTable"]
 
@@ -35,7 +36,7 @@ class ServedTable:
 
     def __init__(self, reader: CheckpointReader, entry: VariableEntry, home: Path, changes: RowChanges | None) -> None:
         self._reader, self.entry, self._home, self._changes = reader, entry, home, changes
-        self._verified: list[torch.Tensor] = [torch.zeros(len(p.crc32), dtype=torch.bool) for p in entry.pieces]
+        self._verified: list[torch.Tensor] = [torch.zeros(len(p.sums), dtype=torch.bool) for p in entry.pieces]
 
     @property
     def shape(self) -> torch.Size:
@@ -54,9 +55,13 @@ class ServedTable:
     def _verify(self, k: int, rows: torch.Tensor) -> None:
         piece, done = self.entry.pieces[k], self._verified[k]
         chunks = torch.unique(rows // piece.chunk_rows)
+        row_bytes = self.entry.dtype.itemsize * math.prod(piece.shape[1:])
         for c in chunks[~done[chunks]].tolist():  # each chunk once per reader
-            data = self._piece(k)[c * piece.chunk_rows : (c + 1) * piece.chunk_rows]
-            if zlib.crc32(memoryview(data.reshape(-1).view(torch.uint8).numpy())) != piece.crc32[c]:
+            # Read with pread, not through the map: verifying a chunk must not leave its pages in
+            # this process's memory, only the rows a lookup reads.
+            count = min(piece.chunk_rows, piece.shape[0] - c * piece.chunk_rows) * row_bytes
+            data = self._reader._pread(self._home, piece.file, piece.begin + c * piece.chunk_rows * row_bytes, count)
+            if CHECKSUMS[piece.checksum][0](data) != piece.sums[c]:
                 raise CheckpointError(
                     f"checksum mismatch in {self._home / piece.file}, variable {self.entry.name!r}, "
                     f"rows {c * piece.chunk_rows}.. of piece {piece.key!r}"
@@ -95,7 +100,8 @@ class CheckpointReader:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.directory = Path(path)
-        self._maps: dict[tuple[Path, str], tuple[mmap.mmap | None, torch.Tensor]] = {}
+        self._maps: dict[tuple[Path, str], tuple[mmap.mmap | None, torch.Tensor, int]] = {}
+        self._buffer = bytearray()
         self._open()
 
     def _identity(self) -> tuple[int, int]:
@@ -115,6 +121,15 @@ class CheckpointReader:
                 entry, link, later = chain.source(name)
                 self._sources[name] = (entry, link.directory, _merged(chain.changes(later, entry)))
         self._tables: dict[str, ServedTable] = {}
+
+    def _pread(self, home: Path, file: str, offset: int, count: int) -> memoryview:
+        if len(self._buffer) < count:
+            self._buffer = bytearray(count)
+        view = memoryview(self._buffer)[:count]
+        got = os.preadv(self._maps[(home, file)][2], [view], offset)
+        if got != count:
+            raise CheckpointError(f"file {home / file} is truncated")
+        return view
 
     def _view(self, home: Path, entry: VariableEntry, piece: Piece) -> torch.Tensor:
         raw = self._maps[(home, piece.file)][1]
@@ -155,7 +170,8 @@ class CheckpointReader:
     def close(self) -> None:
         maps, self._maps, self._tables = getattr(self, "_maps", {}), {}, {}
         for name in list(maps):
-            mapped, _ = maps.pop(name)  # drop the tensor over the map first: it holds the buffer
+            mapped, _, fd = maps.pop(name)  # drop the tensor over the map first: it holds the buffer
+            os.close(fd)
             if mapped is not None:
                 with contextlib.suppress(BufferError):  # a caller still holds a view: closed when dropped
                     mapped.close()
@@ -167,10 +183,12 @@ class CheckpointReader:
         self.close()
 
 
-def _map(path: Path) -> tuple[mmap.mmap | None, torch.Tensor]:
+def _map(path: Path) -> tuple[mmap.mmap | None, torch.Tensor, int]:
     with open_regular(path, f"data file {path}") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if os.fstat(f.fileno()).st_size else None
-    return mapped, (torch.frombuffer(mapped, dtype=torch.uint8) if mapped else torch.empty(0, dtype=torch.uint8))
+        fd = os.dup(f.fileno())  # kept for the verifying reads
+    raw = torch.frombuffer(mapped, dtype=torch.uint8) if mapped else torch.empty(0, dtype=torch.uint8)
+    return mapped, raw, fd
 
 
 def _merged(changes: list[RowChanges]) -> RowChanges | None:

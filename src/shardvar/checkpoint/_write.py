@@ -165,7 +165,7 @@ def _write_files(
                     stored = writer.write(f"{e.name}#{s}", e.produce(s))
                     start, step, count = e.layout.shard_progression(s) if e.layout else (0, 1, 1)
                     piece = Piece(file_name, stored.key, start, step, count, stored.shape, stored.chunk_rows,
-                                  stored.crc32, stored.begin)  # fmt: skip
+                                  stored.sums, stored.begin, stored.checksum)  # fmt: skip
                     pieces[e.name].append((s, piece))
                     done += e.dtype.itemsize * _prod(stored.shape)
                     if progress:
