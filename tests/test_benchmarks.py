@@ -11,10 +11,16 @@ import pytest
 BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
 
 
-@pytest.mark.parametrize("script", ["bench_checkpoint_production.py"])
-def test_benchmark_runs_quick(script: str) -> None:
+@pytest.mark.parametrize(
+    ("script", "prints"),
+    [
+        ("bench_checkpoint_production.py", ["async blocked / sync", "delta size / full size"]),
+        ("bench_paths.py", ["user's shards, 1024 mod", "ShardedEmbeddingBag forward+backward, max", "sparse SGD"]),
+    ],
+)
+def test_benchmark_runs_quick(script: str, prints: list[str]) -> None:
     out = subprocess.run(
         [sys.executable, str(BENCHMARKS / script), "--quick"], capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr
-    assert "async blocked / sync" in out.stdout and "delta size / full size" in out.stdout
+    assert all(p in out.stdout for p in prints), out.stdout

@@ -196,12 +196,11 @@ class ModStrategy(Strategy):
             return ids
         q, r = divmod(sum(sizes), n)
         if n & (n - 1) == 0:
-            shard, row = ids & (n - 1), ids >> (n.bit_length() - 1)
+            shard, out = ids & (n - 1), ids >> (n.bit_length() - 1)
         else:
-            row = ids.div(n, rounding_mode="floor")
-            shard = ids - row * n
-        out = shard * q + row
-        return out + shard.clamp(max=r) if r else out
+            shard, out = ids.remainder(n), ids.div(n, rounding_mode="floor")
+        out.add_(shard, alpha=q)  # in place: each pass over the ids costs as much as the lookup's own
+        return out.add_(shard.clamp_(max=r)) if r else out
 
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (DivStrategy(), ModStrategy())}

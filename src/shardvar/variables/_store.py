@@ -245,11 +245,14 @@ class ShardStore:
             starts = torch.tensor(group.starts, dtype=torch.int64, device=rows.device)
             member = torch.searchsorted(starts, rows, right=True) - 1
             local = rows - starts[member]
+        # One reorder of rows and values by member, then views: a gather per member would read the
+        # values once per shard's call, and this runs on every sparse backward.
         order = torch.argsort(member)
         counts = torch.bincount(member, minlength=len(group.members)).tolist()
+        local, values = local.index_select(0, order), values.index_select(0, order)
         out = {}
-        for s, pos in zip(group.members, order.split(counts), strict=True):
-            out[s] = _sparse(local.index_select(0, pos), values.index_select(0, pos), self.layout.sizes[s])
+        for s, rows_s, values_s in zip(group.members, local.split(counts), values.split(counts), strict=True):
+            out[s] = _sparse(rows_s, values_s, self.layout.sizes[s])
         return out
 
     def zero_grads(self, sparse: bool) -> dict[int, torch.Tensor]:
