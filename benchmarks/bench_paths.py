@@ -1,6 +1,6 @@
 """Every path a user can take, against the unsharded op: lookups, scatters, bags, training steps.
 
-    python benchmarks/bench_paths.py [--rounds 5] [--quick] [--only lookup|bag|train|dist]
+    python benchmarks/bench_paths.py [--rounds 5] [--quick] [--only lookup|bag|train|memory|dist]
 
 Each row times the sharded op and its unsharded baseline alternately (torch.utils.benchmark,
 ``blocked_autorange`` per round) and prints the median ratio of times with its range over the
@@ -13,6 +13,7 @@ import argparse
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import warnings
 from collections.abc import Callable
@@ -160,6 +161,44 @@ def train_rows(args: argparse.Namespace, r: Callable) -> list[list[object]]:
     return out
 
 
+MEMORY = """
+import sys, warnings, torch, shardvar
+from torch import nn
+warnings.filterwarnings("ignore", "Sparse invariant checks")
+rows, dim, n_ids, name, which = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+sparse = name in ("SparseAdam", "sparse SGD", "Adagrad (sparse)")
+make = {"dense Adam": torch.optim.Adam, "Adagrad (dense)": torch.optim.Adagrad, "SparseAdam": torch.optim.SparseAdam,
+        "sparse SGD": torch.optim.SGD, "Adagrad (sparse)": torch.optim.Adagrad}[name]
+def status(key):
+    return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) * 1024
+ids = torch.randint(0, rows, (n_ids,), generator=torch.Generator().manual_seed(0))
+base = status("VmRSS")
+m = nn.Embedding(rows, dim, sparse=sparse)
+if which == "sharded":
+    m = shardvar.ShardedEmbedding.from_pretrained(m.weight.detach(), freeze=False, partitioner=8, sparse=sparse)
+opt = make(list(m.parameters()), lr=0.01)
+for _ in range(3):
+    m(ids).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+print(status("VmHWM") - base)
+"""
+
+
+def memory_rows(args: argparse.Namespace, r: Callable) -> list[list[object]]:
+    """Peak memory of three training steps (a fresh process per case), sharded over unsharded."""
+    out = []
+    for name in ("dense Adam", "Adagrad (dense)", "SparseAdam", "sparse SGD", "Adagrad (sparse)"):
+        peak = {}
+        for which in ("sharded", "plain"):
+            cmd = [sys.executable, "-c", MEMORY, str(args.rows), str(args.dim), str(args.train_ids), name, which]
+            peak[which] = int(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+        ratio_ = peak["sharded"] / peak["plain"]
+        out.append([f"peak memory of a training step, 8 div shards, {name}", f"{ratio_:.3f}x",
+                    f"{peak['sharded'] >> 20} / {peak['plain'] >> 20} MiB", "<= 1.05x"])  # fmt: skip
+    return out
+
+
 def dist_rows(args: argparse.Namespace, r: Callable) -> list[list[object]]:
     import torch.distributed as dist
 
@@ -183,7 +222,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="small sizes, 1 round (a smoke test)")
-    parser.add_argument("--only", action="append", choices=["lookup", "bag", "train", "dist"])
+    parser.add_argument("--only", action="append", choices=["lookup", "bag", "train", "memory", "dist"])
     args = parser.parse_args()
     big = not args.quick
     args.rows, args.dim, args.ids = (1 << 19, 64, 1 << 19) if big else (1 << 12, 16, 1 << 12)
@@ -195,7 +234,7 @@ def main() -> None:
     print(f"{torch.get_num_threads()} threads; table {args.rows} x {args.dim}, {args.ids} Zipf(1.05) ids; "
           f"bags: {args.bag_rows} x {args.dim}, {args.bag_ids} ids in {args.bags} bags; {rounds} rounds\n")  # fmt: skip
     r = lambda fn, base: ratio(fn, base, rounds, min_s)  # noqa: E731
-    groups = {"lookup": lookup_rows, "bag": bag_rows, "train": train_rows, "dist": dist_rows}
+    groups = {"lookup": lookup_rows, "bag": bag_rows, "train": train_rows, "memory": memory_rows, "dist": dist_rows}
     rows = []
     for name, fn in groups.items():
         if not args.only or name in args.only:
