@@ -16,7 +16,7 @@ from ._errors import (
 from .checkpoint import CheckpointError, CheckpointIOError, load, read_shard, read_shards, reshard, save
 from .distributed import DistributedEmbedding, DistributedShardedVariable
 from .layout import Layout, SlicePlan, ceil_sizes
-from .nn import ShardedEmbedding, ShardedEmbeddingBag
+from .nn import ShardedEmbedding, ShardedEmbeddingBag, ShardedLinear, shard_parameter, sharded_parameters
 from .partitioners import (
     FixedShardsPartitioner,
     MaxSizePartitioner,
@@ -66,6 +66,7 @@ __all__ = [
     "ShardedEmbedding",
     "StatefulPartitionedCall",
     "ShardedEmbeddingBag",
+    "ShardedLinear",
     "ShardedVariable",
     "ShardvarDistributedError",
     "ShardvarDTypeError",
@@ -92,6 +93,8 @@ __all__ = [
     "reshard",
     "safe_embedding_lookup_sparse",
     "save",
+    "shard_parameter",
     "shard_tensor",
+    "sharded_parameters",
     "variable_axis_size_partitioner",
 ]
