@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .._errors import ShardvarError, ShardvarValueError
+from .._errors import ShardvarError, ShardvarTypeError, ShardvarValueError
 from ..layout import Layout
 from ..nn import ShardedEmbedding, ShardedEmbeddingBag, ShardedLinear, ShardsParametrization, shard_parameter
 from ..variables import ShardedVariable, ShardStore
@@ -207,7 +207,33 @@ def partition_model(
         record.users = plan.users
         for name in plan.named:
             result.parameters[name] = record
+    if plans:
+        _guard(module)
     return result
+
+
+# Model methods that rebuild or re-tie parameters (HuggingFace's) cannot act on shards: resizing would
+# replace a table by an unsharded one after changing some attributes, and tying looks for parameters
+# by their unsharded names. On a partitioned model they refuse, before changing anything.
+_GUARDS = {
+    "resize_token_embeddings": "resize the model before partition_model, then partition the resized model",
+    "tie_weights": "tied parameters already share their shards; tie them before partition_model",
+}
+
+
+def _refusal(method: str, advice: str):
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise ShardvarTypeError(f"{method}() cannot change a partitioned model: {advice}")
+
+    refuse.__name__ = method
+    return refuse
+
+
+def _guard(module: nn.Module) -> None:
+    for sub in module.modules():
+        for method, advice in _GUARDS.items():
+            if callable(getattr(sub, method, None)):
+                sub.__dict__[method] = _refusal(method, advice)  # this instance only
 
 
 def _module_paths(module: nn.Module) -> dict[int, list[str]]:
