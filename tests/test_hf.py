@@ -73,6 +73,11 @@ def test_logits_and_state_dict_keys_are_the_stock_models(case) -> None:
     assert list(model.state_dict()) == list(reference.state_dict())
     found = sharded_parameters(model)
     assert found[ties[0]].variables == found[ties[1]].variables  # one set of shards
+    model.load_state_dict(reference.state_dict())  # the stock state_dict loads as it is (strict)
+    assert_same_logits(model, reference)
+    if case == "bert-tied-bias":  # vocabulary-parallel head, its bias stored as shards on it, still tied
+        assert isinstance(model.cls.predictions.decoder, shardvar.ShardedLinear)
+        assert found["cls.predictions.bias"].variables == found["cls.predictions.decoder.bias"].variables
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -148,7 +148,9 @@ def _plans(module: nn.Module, strategy: Mapping[str, Any]) -> list[_Plan]:
             problems.append(f"{named[0]}: {e}")
     if problems:
         raise ShardvarValueError("cannot partition these parameters:\n  " + "\n  ".join(problems))
-    return plans
+    # Weights split by rows first: their modules are replaced (ShardedLinear keeps the bias Parameter),
+    # so a bias partitioned too is then stored as shards on the replacement, not on the old module.
+    return sorted(plans, key=lambda p: not (p.layout.axis == 0 and any(n.endswith(".weight") for n in p.users)))
 
 
 def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
