@@ -115,6 +115,7 @@ def test_refusals_are_listed_together_and_change_nothing() -> None:
     before = {k: v.clone() for k, v in model.state_dict().items()}
     strategy = {
         "fc2.weight": 2,
+        "fc1.weight": "1,2",
         "scale": 2,
         "fc1.bias": "1,2",
         "missing.*": 2,
@@ -125,7 +126,7 @@ def test_refusals_are_listed_together_and_change_nothing() -> None:
         partition_model(model, strategy)
     message = str(info.value)
     for expected in (
-        "fc2.weight: tied/shared with fc1.weight",
+        "fc1.weight, fc2.weight: one tied (shared) parameter named with different specs",
         "scale: a 0-d parameter cannot be partitioned",
         "fc1.bias: partition list [1, 2] has 2 entries but shape [12] has 1",
         "missing.*: matches no parameter",

@@ -27,7 +27,7 @@ from .checkpoint import (
 from .checkpoint import open_checkpoint as open  # shardvar.open(path), as zarr.open
 from .distributed import DistributedEmbedding, DistributedShardedVariable
 from .layout import Layout, SlicePlan, ceil_sizes
-from .nn import ShardedEmbedding, ShardedEmbeddingBag
+from .nn import ShardedEmbedding, ShardedEmbeddingBag, ShardedLinear, shard_parameter, sharded_parameters
 from .partitioners import (
     FixedShardsPartitioner,
     MaxSizePartitioner,
@@ -77,6 +77,7 @@ __all__ = [
     "ShardedEmbedding",
     "StatefulPartitionedCall",
     "ShardedEmbeddingBag",
+    "ShardedLinear",
     "ShardedVariable",
     "ShardvarDistributedError",
     "ShardvarDTypeError",
@@ -106,6 +107,8 @@ __all__ = [
     "save",
     "compact",
     "AsyncSave",
+    "shard_parameter",
     "shard_tensor",
+    "sharded_parameters",
     "variable_axis_size_partitioner",
 ]

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .._errors import CheckpointError, ShardvarTypeError
+from ..nn import sharded_parameters
 
 __all__ = ["Partial", "State", "as_partial", "resolve", "param_names"]
 
@@ -60,7 +61,7 @@ class State:
 
 def _add_module(state: State, key: str, module: nn.Module) -> None:
     for mod_name, sub in module.named_modules():
-        found = sub.sharded_variables() if callable(getattr(sub, "sharded_variables", None)) else {}
+        found = sharded_parameters(sub, recurse=False)  # sharded modules' tables and partitioned parameters
         for local, value in found.items():
             partial = as_partial(value)
             if partial is None:

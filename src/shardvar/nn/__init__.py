@@ -1,5 +1,15 @@
-"""nn.Modules over sharded tables."""
+"""nn.Modules over sharded tables, and any module's parameters stored as shards."""
 
 from ._embedding import ShardedEmbedding, ShardedEmbeddingBag
+from ._linear import ShardedLinear
+from ._parameter import ShardsParametrization, set_state_dict_form, shard_parameter, sharded_parameters
 
-__all__ = ["ShardedEmbedding", "ShardedEmbeddingBag"]
+__all__ = [
+    "ShardedEmbedding",
+    "ShardedEmbeddingBag",
+    "ShardedLinear",
+    "ShardsParametrization",
+    "set_state_dict_form",
+    "shard_parameter",
+    "sharded_parameters",
+]

@@ -16,6 +16,7 @@ from .._errors import ShardvarTypeError, ShardvarValueError
 from .._validate import check_bool, check_choice, check_int, check_number
 from ..layout import Layout
 from ..variables import ShardedVariable, ShardStore, functional, to_layout
+from ._state_dict import FORMS, load_logical, save_logical
 
 __all__ = ["ShardedEmbedding", "ShardedEmbeddingBag"]
 
@@ -98,7 +99,7 @@ class _ShardedTable(nn.Module):
 
     def set_state_dict_form(self, form: str) -> None:
         """``"logical"`` (default: key ``weight``, as nn.Embedding) or ``"sharded"`` (keys ``shard_<i>``)."""
-        self.state_dict_form = check_choice(form, "form", ("logical", "sharded"))
+        self.state_dict_form = check_choice(form, "form", FORMS)
 
     def _shard_params(self) -> dict[int, torch.Tensor]:
         return {int(name[6:]): p for name, p in self._parameters.items() if name.startswith("shard_")}
@@ -189,12 +190,8 @@ class _ShardedTable(nn.Module):
 
 
 def _logical_state_dict(module: _ShardedTable, state: dict, prefix: str, local_metadata: dict) -> None:
-    store = module.store
-    if module.state_dict_form != "logical" or not store.is_complete:
-        return  # a distributed table is saved shard by shard (the whole table is on no rank)
-    for key in [k for k in state if k.startswith(prefix + "shard_")]:
-        del state[key]
-    state[prefix + "weight"] = module.weight.logical(copy=False).detach()
+    if module.state_dict_form == "logical":
+        save_logical(state, prefix, "weight", module.weight, [f"shard_{s}" for s in module._shard_params()])
 
 
 def _load_logical_weight(
@@ -208,25 +205,8 @@ def _load_logical_weight(
     error_msgs: list,
 ) -> None:
     """Load ``weight`` (the whole table) by splitting it into the ``shard_<i>`` entries the shards load."""
-    store = module.store
-    shard_keys = {s: f"{prefix}shard_{s}" for s in module._shard_params()}
-    weight = state.pop(prefix + "weight", None)
-    if weight is None:
-        if not any(k in state for k in shard_keys.values()):
-            missing_keys.append(prefix + "weight")
-            state.update({k: module._shard_params()[s] for s, k in shard_keys.items()})  # loads as a no-op
-        return
-    shape = tuple(store.shape)
-    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != shape:
-        got = list(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
-        error_msgs.append(
-            f"size mismatch for {prefix}weight: copying a param with shape {got} from checkpoint, "
-            f"the shape in current model is {list(shape)}."
-        )
-        state.update({k: module._shard_params()[s] for s, k in shard_keys.items()})
-        return
-    parts = store.layout.split(weight)
-    state.update({k: parts[s] for s, k in shard_keys.items()})
+    shard_keys = {s: f"shard_{s}" for s in module._shard_params()}
+    load_logical(state, prefix, "weight", module.weight, shard_keys, missing_keys, error_msgs)
 
 
 class ShardedEmbedding(_ShardedTable, nn.Embedding):

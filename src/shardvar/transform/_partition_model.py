@@ -1,14 +1,17 @@
 """partition_model: rewrite a model so chosen parameters become partitioned (AutoDist's VariablePartitioner).
 
-nn.Embedding and nn.EmbeddingBag become ShardedEmbedding / ShardedEmbeddingBag; any other
-parameter (a Linear weight along axis 0 or 1, ...) is replaced by its shards through a
-``torch.nn.utils.parametrize`` parametrization, so the module forwards and backwards as before
-while autograd and optimizers see the shards. Everything is checked before anything changes.
+Each chosen parameter is split once, into one set of shard Parameters, and every module that
+uses it (a tied or shared parameter has several) is given those same shards: an exact
+``nn.Embedding(Bag)`` split by rows becomes a ShardedEmbedding(Bag), an exact ``nn.Linear``
+whose weight is split by rows becomes a (vocabulary-parallel) ShardedLinear, and any other
+parameter (other axes, biases, Conv1D, subclasses) is stored as shards by ``shard_parameter``.
+Every refusal is collected into one error, and every shard is allocated before anything changes.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,39 +20,26 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .._errors import ShardvarError, ShardvarValueError
+from .._errors import ShardvarError, ShardvarTypeError, ShardvarValueError
 from ..layout import Layout
-from ..nn import ShardedEmbedding, ShardedEmbeddingBag
+from ..nn import ShardedEmbedding, ShardedEmbeddingBag, ShardedLinear, ShardsParametrization, shard_parameter
+from ..variables import ShardedVariable, ShardStore
 from ._spec import PartitionSpec, as_spec
 
 __all__ = ["partition_model", "ModelPartition", "PartitionedParameter", "ShardsParametrization"]
 
-
-class ShardsParametrization(nn.Module):
-    """The logical tensor from its shards (forward) and the shards from a tensor (right_inverse)."""
-
-    def __init__(self, layout: Layout) -> None:
-        super().__init__()
-        self.layout = layout
-
-    def forward(self, *shards: torch.Tensor) -> torch.Tensor:
-        return self.layout.join(shards)
-
-    def right_inverse(self, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(part.clone() for part in self.layout.split(value))
-
-    def extra_repr(self) -> str:
-        return f"layout={self.layout}"
+_SHARDED = (ShardedEmbedding, ShardedEmbeddingBag, ShardedLinear)
 
 
 @dataclass
 class PartitionedParameter:
-    """One parameter the transform partitioned: its old tensor and its new shards."""
+    """One parameter the transform partitioned: its old tensor, its layout and its new shards."""
 
     name: str
     old: nn.Parameter
     layout: Layout
     shards: list[nn.Parameter]
+    users: list[str] = field(default_factory=list)  # every name the parameter had (tied: several)
 
 
 @dataclass
@@ -72,7 +62,10 @@ class ModelPartition:
             for p in group["params"]:
                 params.extend(by_old[id(p)].shards if id(p) in by_old else [p])
             groups.append({**group, "params": params})
-        rebuilt = type(optimizer)(groups, **optimizer.defaults)
+        # defaults may hold entries the constructor does not take (AdamW: decoupled_weight_decay);
+        # every group carries them anyway, so pass only what the constructor accepts.
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        rebuilt = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
         for p in (p for g in optimizer.param_groups for p in g["params"]):
             state = optimizer.state.get(p)
             if not state:
@@ -113,9 +106,65 @@ def _matches(strategy: Mapping[str, Any], names: list[str]) -> tuple[dict[str, P
     return chosen, problems
 
 
-def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str, str]:
+@dataclass
+class _Plan:
+    """One parameter to split: the names the strategy used, every name it has, its layout."""
+
+    named: list[str]
+    users: list[str]
+    param: nn.Parameter
+    layout: Layout
+
+
+def _plans(module: nn.Module, strategy: Mapping[str, Any]) -> list[_Plan]:
+    """One plan per distinct chosen parameter; every refusal raised together, nothing changed."""
+    every = list(module.named_parameters(remove_duplicate=False))
+    by_name = dict(every)
+    chosen, problems = _matches(strategy, [n for n, _ in every])
+    users: dict[int, list[str]] = {}
+    for n, p in every:
+        users.setdefault(id(p), []).append(n)
+    grouped: dict[int, list[str]] = {}
+    for name in (n for n, _ in every if n in chosen):  # the model's order, whatever the strategy's
+        grouped.setdefault(id(by_name[name]), []).append(name)
+    plans = []
+    for named in grouped.values():
+        param, spec = by_name[named[0]], chosen[named[0]]
+        if len({chosen[n] for n in named}) > 1:
+            problems.append(f"{', '.join(named)}: one tied (shared) parameter named with different specs")
+            continue
+        if param.dim() == 0:
+            problems.append(f"{named[0]}: a 0-d parameter cannot be partitioned")
+            continue
+        owners = [_owner(module, n) for n in users[id(param)]]
+        if any(".parametrizations." in n for n in users[id(param)]) or any(
+            isinstance(o, _SHARDED) and a.startswith("shard_") for o, a in owners
+        ):
+            problems.append(f"{named[0]}: already partitioned")
+            continue
+        try:
+            plans.append(_Plan(named, users[id(param)], param, spec.layout(tuple(param.shape), param.dtype)))
+        except ShardvarError as e:
+            problems.append(f"{named[0]}: {e}")
+    if problems:
+        raise ShardvarValueError("cannot partition these parameters:\n  " + "\n  ".join(problems))
+    # Weights split by rows first: their modules are replaced (ShardedLinear keeps the bias Parameter),
+    # so a bias partitioned too is then stored as shards on the replacement, not on the old module.
+    return sorted(plans, key=lambda p: not (p.layout.axis == 0 and any(n.endswith(".weight") for n in p.users)))
+
+
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     prefix, _, attr = name.rpartition(".")
-    return (module.get_submodule(prefix) if prefix else module), prefix, attr
+    return (module.get_submodule(prefix) if prefix else module), attr
+
+
+def _replacement(owner: nn.Module, attr: str, layout: Layout, is_root: bool) -> type | None:
+    """The sharded module that replaces ``owner`` (exact Embedding(Bag) / Linear, weight by rows), or None."""
+    if is_root or attr != "weight" or layout.axis != 0 or parametrize.is_parametrized(owner):
+        return None
+    return {nn.Embedding: ShardedEmbedding, nn.EmbeddingBag: ShardedEmbeddingBag, nn.Linear: ShardedLinear}.get(
+        type(owner)
+    )
 
 
 def partition_model(
@@ -127,7 +176,8 @@ def partition_model(
 
     ``strategy`` maps names to a partitioner, PartitionerConfig, "1,4,1" string, shard count,
     Layout or PartitionSpec; or it is a :class:`~shardvar.Plan`, whose placement is then used.
-    Shards go to ``devices`` round-robin (default: where the parameter is).
+    Shards go to ``devices`` round-robin (default: where the parameter is). A tied parameter is
+    split once, whichever of its names the strategy uses, and all its users share the shards.
 
     >>> model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 6))
     >>> part = partition_model(model, {"0.weight": 2, "1.weight": "1,2"})
@@ -138,75 +188,97 @@ def partition_model(
     if hasattr(strategy, "strategy") and hasattr(strategy, "placement"):
         placement = dict(strategy.placement)
         strategy = strategy.strategy
-    every = list(module.named_parameters(remove_duplicate=False))
-    names = [n for n, _ in every]
-    chosen, problems = _matches(strategy, names)
-    seen: dict[int, list[str]] = {}
-    for n, p in every:
-        seen.setdefault(id(p), []).append(n)
-    layouts: dict[str, Layout] = {}
-    for name, spec in chosen.items():
-        param = dict(every)[name]
-        owner, _, attr = _owner(module, name)
-        if len(seen[id(param)]) > 1:
-            others = [o for o in seen[id(param)] if o != name]
-            problems.append(f"{name}: tied/shared with {', '.join(others)} (partition each copy's owner instead)")
-            continue
-        if param.dim() == 0:
-            problems.append(f"{name}: a 0-d parameter cannot be partitioned")
-            continue
-        if ".parametrizations." in name or isinstance(owner, (ShardedEmbedding, ShardedEmbeddingBag)):
-            problems.append(f"{name}: already partitioned")
-            continue
-        try:
-            layouts[name] = spec.layout(tuple(param.shape), param.dtype)
-        except ShardvarError as e:
-            problems.append(f"{name}: {e}")
-    if problems:
-        raise ShardvarValueError("cannot partition these parameters:\n  " + "\n  ".join(problems))
-    result = ModelPartition(module)
-    for name, layout in layouts.items():
-        param = dict(every)[name]
-        owner, prefix, attr = _owner(module, name)
-        shard_devices = placement.get(name) or (
-            [devices[s % len(devices)] for s in range(layout.num_shards)] if devices else None
+    plans = _plans(module, strategy)
+    stores = []
+    for plan in plans:  # every shard allocated before anything is swapped
+        shard_devices = placement.get(plan.named[0]) or (
+            [devices[s % len(devices)] for s in range(plan.layout.num_shards)] if devices else None
         )
-        if prefix and attr == "weight" and isinstance(owner, (nn.Embedding, nn.EmbeddingBag)) and layout.axis == 0:
-            # A row-split table becomes a ShardedEmbedding(Bag): lookups touch only the shards they need.
-            new = _sharded_embedding(owner, layout, shard_devices)
-            parent, _, child = prefix.rpartition(".")
-            setattr(module.get_submodule(parent) if parent else module, child, new)
-            shards = list(new.shards)
-        else:
-            parametrize.register_parametrization(owner, attr, ShardsParametrization(layout), unsafe=True)
-            original = owner.parametrizations[attr]
-            shards = [getattr(original, f"original{s}") for s in range(layout.num_shards)]
-            if shard_devices:
-                with torch.no_grad():
-                    for s, shard in enumerate(shards):
-                        shard.data = shard.data.to(shard_devices[s])
-        result.parameters[name] = PartitionedParameter(name, param, layout, shards)
+        store = ShardStore.allocate(
+            plan.layout, plan.param.shape, plan.param.dtype, devices=shard_devices, values=plan.param.detach(),
+            requires_grad=True,
+        )  # fmt: skip
+        stores.append(store)
+    result = ModelPartition(module)
+    paths = _module_paths(module)
+    for plan, store in zip(plans, stores, strict=True):
+        _give_shards(module, plan, store, paths)
+        for t in store.local_shards().values():
+            t.requires_grad_(plan.param.requires_grad)
+        record = PartitionedParameter(plan.named[0], plan.param, plan.layout, list(store.local_shards().values()))
+        record.users = plan.users
+        for name in plan.named:
+            result.parameters[name] = record
+    if plans:
+        _guard(module)
     return result
 
 
-def _sharded_embedding(old: nn.Module, layout: Layout, devices: list | None) -> nn.Module:
+# Model methods that rebuild or re-tie parameters (HuggingFace's) cannot act on shards: resizing would
+# replace a table by an unsharded one after changing some attributes, and tying looks for parameters
+# by their unsharded names. On a partitioned model they refuse, before changing anything.
+_GUARDS = {
+    "resize_token_embeddings": "resize the model before partition_model, then partition the resized model",
+    "tie_weights": "tied parameters already share their shards; tie them before partition_model",
+}
+
+
+def _refusal(method: str, advice: str):
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise ShardvarTypeError(f"{method}() cannot change a partitioned model: {advice}")
+
+    refuse.__name__ = method
+    return refuse
+
+
+def _guard(module: nn.Module) -> None:
+    for sub in module.modules():
+        for method, advice in _GUARDS.items():
+            if callable(getattr(sub, method, None)):
+                sub.__dict__[method] = _refusal(method, advice)  # this instance only
+
+
+def _module_paths(module: nn.Module) -> dict[int, list[str]]:
+    """Every path each submodule is registered under (a module may be registered twice)."""
+    paths: dict[int, list[str]] = {}
+    for path, sub in module.named_modules(remove_duplicate=False):
+        paths.setdefault(id(sub), []).append(path)
+    return paths
+
+
+def _give_shards(module: nn.Module, plan: _Plan, store: ShardStore, paths: dict[int, list[str]]) -> None:
+    """Every user of the parameter reads ``store``'s shards: a replaced module, or a parametrization."""
+    done: set[tuple[int, str]] = set()
+    variable = ShardedVariable.from_store(store, name="weight")
+    owners = [_owner(module, name) for name in plan.users]  # before any of them is replaced
+    for owner, attr in owners:
+        if (id(owner), attr) in done:
+            continue  # a module registered under two paths is replaced once
+        done.add((id(owner), attr))
+        cls = _replacement(owner, attr, plan.layout, owner is module)
+        if cls is None:
+            shard_parameter(owner, attr, variable)
+            continue
+        new = _sharded_module(cls, owner, variable)
+        for path in paths[id(owner)]:
+            parent, _, child = path.rpartition(".")
+            setattr(module.get_submodule(parent) if parent else module, child, new)
+
+
+def _sharded_module(cls: type, old: nn.Module, variable: ShardedVariable) -> nn.Module:
+    if cls is ShardedLinear:
+        bias = old.bias if old.bias is not None else False
+        return ShardedLinear(old.in_features, old.out_features, bias, weight=variable)
     common = {
-        "partitioner": layout,
-        "partition_strategy": layout.strategy,
         "max_norm": old.max_norm,
         "norm_type": old.norm_type,
         "scale_grad_by_freq": old.scale_grad_by_freq,
         "sparse": old.sparse,
         "padding_idx": old.padding_idx,
-        "_weight": old.weight.detach(),
-        "devices": devices,
+        "_store": variable.store,
     }
-    if isinstance(old, nn.EmbeddingBag):
-        new = ShardedEmbeddingBag(
+    if cls is ShardedEmbeddingBag:
+        return cls(
             old.num_embeddings, old.embedding_dim, mode=old.mode, include_last_offset=old.include_last_offset, **common
         )
-    else:
-        new = ShardedEmbedding(old.num_embeddings, old.embedding_dim, **common)
-    for p in new.parameters():
-        p.requires_grad_(old.weight.requires_grad)
-    return new
+    return cls(old.num_embeddings, old.embedding_dim, **common)
