@@ -200,7 +200,7 @@ class ModStrategy(Strategy):
         else:
             shard, out = ids.remainder(n), ids.div(n, rounding_mode="floor")
         out.add_(shard, alpha=q)  # in place: each pass over the ids costs as much as the lookup's own
-        return out.add_(shard.clamp_(max=r)) if r else out
+        return out.add_(shard.clamp(max=r)) if r else out  # clamp_ has no vmap batching rule
 
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (DivStrategy(), ModStrategy())}
