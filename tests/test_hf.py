@@ -144,3 +144,16 @@ def test_resize_and_tie_weights_refuse_and_change_nothing(case) -> None:
     assert_same_logits(model, reference)
     assert type(reference).resize_token_embeddings is not None  # the stock class is untouched
     reference.resize_token_embeddings(VOCAB + 8)
+
+
+@pytest.mark.parametrize("case", ["gpt2-mod", "bert-axis1"])
+def test_deepcopy_and_dtype_conversion_of_a_partitioned_model(case) -> None:
+    model, reference, ties = partitioned(case)
+    clone = copy.deepcopy(model)
+    assert_same_logits(clone, reference)
+    found = sharded_parameters(clone)
+    assert found[ties[0]].variables == found[ties[1]].variables  # the copy is tied to its own shards
+    assert not set(map(id, found[ties[0]].variables)) & set(map(id, sharded_parameters(model)[ties[0]].variables))
+    clone.double()
+    torch.testing.assert_close(clone(IDS).logits, reference.double()(IDS).logits)
+    assert clone.state_dict()[ties[0]].dtype == torch.float64

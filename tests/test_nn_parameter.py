@@ -114,6 +114,14 @@ def test_load_errors_are_clear(kind) -> None:
         model.load_state_dict(nn.Linear(IN, OUT).state_dict(), assign=True)
 
 
+def test_an_embedding_refuses_assign_too_so_its_ties_hold() -> None:
+    emb = shardvar.ShardedEmbedding(OUT, IN, partitioner=2)
+    head = ShardedLinear(IN, OUT, bias=False, weight=emb.weight)
+    with pytest.raises(ValueError, match=r"assign=True\) cannot replace the shards of the sharded parameter weight"):
+        emb.load_state_dict(nn.Embedding(OUT, IN).state_dict(), assign=True)
+    assert list(emb.parameters()) == list(head.parameters())
+
+
 def test_shard_parameter_refusals_are_pinned() -> None:
     fc = nn.Linear(IN, OUT)
     with pytest.raises(ValueError, match=r"Linear has no parameter 'scale'; expected one of \['bias', 'weight'\]"):

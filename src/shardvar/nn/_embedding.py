@@ -16,7 +16,7 @@ from .._errors import ShardvarTypeError, ShardvarValueError
 from .._validate import check_bool, check_choice, check_int, check_number
 from ..layout import Layout
 from ..variables import ShardedVariable, ShardStore, functional, to_layout
-from ._state_dict import FORMS, load_logical, save_logical
+from ._state_dict import FORMS, check_not_assign, load_logical, save_logical
 
 __all__ = ["ShardedEmbedding", "ShardedEmbeddingBag"]
 
@@ -205,6 +205,7 @@ def _load_logical_weight(
     error_msgs: list,
 ) -> None:
     """Load ``weight`` (the whole table) by splitting it into the ``shard_<i>`` entries the shards load."""
+    check_not_assign(local_metadata, prefix, "weight")  # new Parameters would untie every other user
     shard_keys = {s: f"shard_{s}" for s in module._shard_params()}
     load_logical(state, prefix, "weight", module.weight, shard_keys, missing_keys, error_msgs)
 
