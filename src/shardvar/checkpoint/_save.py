@@ -85,6 +85,20 @@ def save(
         if delta is not None:
             remember(save_id, delta.fingerprints)
         return None
+    return _start_async(directory, entries, extra, delta, progress, keep_spare, coordinator, staging_bytes)
+
+
+def _start_async(
+    directory: Path,
+    entries: list[Entry],
+    extra: dict[str, Any],
+    delta: Delta | None,
+    progress: Progress | None,
+    keep_spare: bool,
+    coordinator: Coordinator,
+    staging_bytes: int | None,
+) -> AsyncSave:
+    key = getattr(coordinator, "key", coordinator)
     error, staged = None, []
     try:
         staged = stage(entries, staging_bytes, key)
