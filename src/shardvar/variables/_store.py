@@ -241,15 +241,20 @@ class ShardStore:
             return {s: _sparse(rows, values, self.layout.sizes[s])}
         if group.steps[0] > 1:  # interleaved: row r is shard r % n's row r // n
             member, local = rows.remainder(group.steps[0]), rows.div(group.steps[0], rounding_mode="floor")
+            order = torch.argsort(member)
+            counts = torch.bincount(member, minlength=len(group.members)).tolist()
+            local = local.index_select(0, order)
         else:
+            # Sorting the slab rows puts each member's rows together (members are consecutive):
+            # the boundaries are then n binary searches, not one per row.
             starts = torch.tensor(group.starts, dtype=torch.int64, device=rows.device)
-            member = torch.searchsorted(starts, rows, right=True) - 1
-            local = rows - starts[member]
-        # One reorder of rows and values by member, then views: a gather per member would read the
-        # values once per shard's call, and this runs on every sparse backward.
-        order = torch.argsort(member)
-        counts = torch.bincount(member, minlength=len(group.members)).tolist()
-        local, values = local.index_select(0, order), values.index_select(0, order)
+            rows, order = torch.sort(rows)
+            sizes = torch.diff(torch.searchsorted(rows, torch.cat([starts, starts.new_tensor([group.rows])])))
+            local = rows - starts.repeat_interleave(sizes)
+            counts = sizes.tolist()
+        # One reorder of the values, then views: a gather per member would read the values once
+        # per shard's call, and this runs on every sparse backward.
+        values = values.index_select(0, order)
         out = {}
         for s, rows_s, values_s in zip(group.members, local.split(counts), values.split(counts), strict=True):
             out[s] = _sparse(rows_s, values_s, self.layout.sizes[s])
