@@ -159,3 +159,11 @@ def test_a_process_killed_during_the_background_write_leaves_the_previous_checkp
     shardvar.save({"v": v}, path)  # and the directory takes new saves
     assert torch.equal(shardvar.read_shard(path, "v"), torch.zeros(2000, 64))
     assert data_files(path) == shardvar.checkpoint.Manifest.read(path).files()  # the killed save's files went
+
+
+def test_wait_refuses_a_negative_timeout(tmp_path) -> None:
+    emb, _ = model()
+    handle = shardvar.save({"m": emb}, tmp_path / "c", asynchronous=True)
+    with pytest.raises(ValueError, match="timeout"):
+        handle.wait(-1)
+    handle.wait(60)

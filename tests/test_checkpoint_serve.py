@@ -120,3 +120,18 @@ def test_many_processes_serve_at_once_and_memory_grows_with_rows_read_not_table_
     for r in results:
         assert r["grew"] < 24 << 20, r["grew"]  # the rows read, not the table (every chunk is verified)
         assert r["sum"] == pytest.approx(float(full[torch.tensor(r["ids"])].double().sum()), rel=1e-9)
+
+
+def test_a_closed_reader_and_paths_that_are_not_checkpoints_raise_clear_errors(tmp_path) -> None:
+    shardvar.save({"t": shard_tensor(table(), Layout.balanced("div", 1000, 2))}, tmp_path / "c")
+    with shardvar.open(tmp_path / "c" / "manifest.json") as served:  # the manifest's path names its directory
+        table_ = served["t"]
+    with pytest.raises(shardvar.CheckpointError, match="is closed"):
+        table_.lookup(torch.tensor([1]))
+    with pytest.raises(shardvar.CheckpointError, match="is closed"):
+        served["t"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(shardvar.CheckpointError, match="is not a checkpoint directory"):
+        shardvar.open(tmp_path / "file")
+    with pytest.raises(shardvar.CheckpointError, match=r"manifest\.json is missing"):
+        shardvar.open(tmp_path / "missing")

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .._errors import CheckpointError
+from .._validate import check_number
 from ._write import Entry
 
 __all__ = ["AsyncSave", "release_staging", "stage", "start", "wait_for_previous"]
@@ -48,6 +49,8 @@ class AsyncSave:
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait until the save is committed; raise its error if it failed, or TimeoutError."""
+        if timeout is not None:
+            check_number(timeout, "timeout", minimum=0)
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise TimeoutError(f"the save to {self.path} is still writing after {timeout} s")

@@ -20,10 +20,10 @@ import torch
 from .._errors import CheckpointError
 from ..layout import Layout
 from ._files import DirectoryLock
-from ._manifest import Manifest, VariableEntry
+from ._manifest import MANIFEST, Manifest, VariableEntry
 from ._restore import Files, _check_file, restore_shards
 
-__all__ = ["Chain", "Link", "RowChanges", "apply_rows", "MAX_LINKS"]
+__all__ = ["checkpoint_directory", "Chain", "Link", "RowChanges", "apply_rows", "MAX_LINKS"]
 
 MAX_LINKS = 64  # a chain longer than this is compacted, not followed
 
@@ -57,7 +57,7 @@ class Chain:
     def open(cls, path: str | os.PathLike) -> Chain:
         chain = cls()
         try:
-            directory = Path(path)
+            directory = checkpoint_directory(path)
             for _ in range(MAX_LINKS + 1):
                 chain._locks.enter_context(DirectoryLock(directory, exclusive=False))
                 manifest = Manifest.read(directory)
@@ -139,6 +139,16 @@ class Chain:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def checkpoint_directory(path: str | os.PathLike) -> Path:
+    """The checkpoint directory ``path`` names (the directory, or its manifest.json)."""
+    directory = Path(path)
+    if directory.name == MANIFEST and directory.is_file():
+        directory = directory.parent
+    if directory.exists() and not directory.is_dir():
+        raise CheckpointError(f"{directory} is not a checkpoint directory")
+    return directory
 
 
 def _deltas(manifest: Manifest) -> dict[str, dict]:

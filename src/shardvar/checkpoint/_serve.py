@@ -22,7 +22,7 @@ import torch
 
 from .._errors import CheckpointError
 from ..layout import as_ids, check_ids
-from ._chain import Chain, RowChanges
+from ._chain import Chain, RowChanges, checkpoint_directory
 from ._files import open_regular
 from ._manifest import MANIFEST, Piece, VariableEntry
 from ._reshard import read_shard
@@ -99,8 +99,9 @@ class CheckpointReader:
     """A checkpoint opened for serving: ``reader["name"].lookup(ids)``; close it, or use ``with``."""
 
     def __init__(self, path: str | os.PathLike) -> None:
-        self.directory = Path(path)
+        self.directory = checkpoint_directory(path)
         self._maps: dict[tuple[Path, str], tuple[mmap.mmap | None, torch.Tensor, int]] = {}
+        self._closed = False
         self._buffer = bytearray()
         self._open()
 
@@ -109,7 +110,7 @@ class CheckpointReader:
         return st.st_ino, st.st_mtime_ns
 
     def _open(self) -> None:
-        self.close()
+        self._release()
         with Chain.open(self.directory) as chain:  # locked shared: no save half-way through while we look
             self.manifest = chain.newest.manifest
             self._seen = self._identity()
@@ -121,6 +122,10 @@ class CheckpointReader:
                 entry, link, later = chain.source(name)
                 self._sources[name] = (entry, link.directory, _merged(chain.changes(later, entry)))
         self._tables: dict[str, ServedTable] = {}
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"the reader of {self.directory} is closed; open the checkpoint again")
 
     def _pread(self, home: Path, file: str, offset: int, count: int) -> memoryview:
         if len(self._buffer) < count:
@@ -143,6 +148,7 @@ class CheckpointReader:
     def _consistent(self, read: Any) -> Any:
         # Rows come from one version: if a save replaced the checkpoint before or during the read,
         # re-open and read again (a save only reuses files after committing a new manifest).
+        self._check_open()
         for _ in range(3):
             if self._identity() != self._seen:
                 self._open()
@@ -152,6 +158,7 @@ class CheckpointReader:
         raise CheckpointError(f"{self.directory} kept changing while it was read; try again")
 
     def __getitem__(self, name: str) -> ServedTable:
+        self._check_open()
         if self._identity() != self._seen:
             self._open()
         if name not in self._tables:
@@ -168,6 +175,11 @@ class CheckpointReader:
         return sorted(self._sources)
 
     def close(self) -> None:
+        """Unmap the files; later lookups raise."""
+        self._release()
+        self._closed = True
+
+    def _release(self) -> None:
         maps, self._maps, self._tables = getattr(self, "_maps", {}), {}, {}
         for name in list(maps):
             mapped, _, fd = maps.pop(name)  # drop the tensor over the map first: it holds the buffer
