@@ -4,6 +4,7 @@ Layers, each importable without the ones above it: ``shardvar.layout`` (pure lay
 ``shardvar.partitioners`` -> ... The public names are re-exported here one by one.
 """
 
+from . import optim
 from ._errors import (
     ShardvarDistributedError,
     ShardvarDTypeError,
@@ -28,6 +29,7 @@ from .checkpoint import open_checkpoint as open  # shardvar.open(path), as zarr.
 from .distributed import DistributedEmbedding, DistributedShardedVariable
 from .layout import Layout, SlicePlan, ceil_sizes
 from .nn import ShardedEmbedding, ShardedEmbeddingBag, ShardedLinear, shard_parameter, sharded_parameters
+from .optim import RowWiseAdagrad, RowWiseAdam, TableOptimizer
 from .partitioners import (
     FixedShardsPartitioner,
     MaxSizePartitioner,
@@ -96,6 +98,10 @@ __all__ = [
     "fixed_size_partitioner",
     "load",
     "open",
+    "optim",
+    "RowWiseAdagrad",
+    "RowWiseAdam",
+    "TableOptimizer",
     "min_max_variable_partitioner",
     "partition_model",
     "partitioned_call",

@@ -91,6 +91,10 @@ def resolve(state_dict: dict[str, Any]) -> State:
             state.add_variable(key, as_partial(obj))
         elif isinstance(obj, nn.Module):
             _add_module(state, key, obj)
+        elif callable(getattr(obj, "sharded_variables", None)):  # shardvar.optim's optimizers: state per table
+            for name, value in obj.sharded_variables().items():
+                partial = as_partial(value)
+                state.add_variable(f"{key}/{name}", partial if partial is not None else value)
         elif isinstance(obj, torch.optim.Optimizer):
             state.optimizers[key] = obj
         else:

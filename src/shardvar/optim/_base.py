@@ -1,0 +1,172 @@
+"""TableOptimizer: a torch.optim.Optimizer whose updates run once per slab of each table.
+
+Sparse gradients (``sparse=True`` tables): the shards' gradients of a slab are joined into slab
+rows and summed per distinct row once; only those rows of the weight and of the state are read,
+updated and written back. Dense gradients: the update runs in place on the whole slab (the
+shards' gradients are joined into one slab gradient first). Everything is checked before any
+table changes. ``param_groups`` carry the options, so learning-rate schedulers work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+from .._errors import ShardvarIndexError, ShardvarValueError
+from .._validate import check_number
+from ._tables import StateVariable, Table, find_tables
+
+__all__ = ["TableOptimizer", "Update"]
+
+# rule(weight rows, {slot: state rows}, gradient rows, step, options, sparse): updates in place
+Update = Callable[[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, int, dict[str, Any], bool], None]
+
+
+def _slab_grad(table: Table, g: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(distinct slab rows, their summed gradient) when sparse, (None, dense slab gradient), or (None, None)."""
+    store = table.store
+    group = store.groups[g]
+    shards = store.local_shards()
+    grads = [shards[s].grad for s in group.members]
+    if all(x is None for x in grads):
+        return None, None
+    if any(x is not None and x.is_sparse for x in grads):
+        rows, values = [], []
+        for s, x, first, step in zip(group.members, grads, group.starts, group.steps, strict=True):
+            if x is None:
+                continue
+            local = x._indices()[0]  # duplicates allowed: summed once per slab below
+            if local.numel() and (int(local.min()) < 0 or int(local.max()) >= store.layout.sizes[s]):
+                raise ShardvarIndexError(f"table {table.name!r}: shard {s} has a sparse gradient for rows outside it")
+            rows.append(first + step * local)
+            values.append(x._values().reshape(x._values().shape[0], store.width))
+        rows_, values_ = torch.cat(rows), torch.cat(values)
+        unique, inverse = torch.unique(rows_, return_inverse=True)
+        summed = torch.zeros(unique.numel(), values_.shape[1], dtype=values_.dtype, device=values_.device)
+        return unique, summed.index_add_(0, inverse, values_)
+    slab = store.group_rows(g)
+    dense = torch.zeros_like(slab)
+    for view, x in zip(store.split_grad(g, dense).values(), grads, strict=True):
+        if x is not None:
+            view.copy_(x)
+    return None, dense
+
+
+class TableOptimizer(torch.optim.Optimizer):
+    """Base of shardvar's optimizers: subclasses give ``slots`` and ``update``."""
+
+    slots: ClassVar[dict[str, tuple[bool, str | float]]] = {}  # slot -> (row-wise, initial value or option)
+    update: Update
+
+    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+        check_number(defaults.get("lr", 0.0), "lr", minimum=0)
+        groups = find_tables(params)
+        self._groups_tables: list[list[Table]] = []
+        torch_groups = []
+        for group in groups:
+            options = {k: v for k, v in group.items() if k != "tables"}
+            self._groups_tables.append(group["tables"])
+            torch_groups.append({**options, "params": [p for t in group["tables"] for p in t.params]})
+        super().__init__(torch_groups, defaults)
+        for tables, group in zip(self._groups_tables, self.param_groups, strict=True):
+            self._check_options(group)
+            for t in tables:
+                for slot, (row_wise, fill) in self.slots.items():
+                    t.add_slot(slot, row_wise, float(group[fill] if isinstance(fill, str) else fill))
+
+    def __getstate__(self) -> dict[str, Any]:  # torch's keeps only defaults, state and param_groups
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def _check_options(self, group: dict[str, Any]) -> None:
+        check_number(group["lr"], "lr", minimum=0)
+        check_number(group.get("weight_decay", 0.0), "weight_decay", minimum=0)
+
+    @property
+    def tables(self) -> list[Table]:
+        return [t for tables in self._groups_tables for t in tables]
+
+    def sharded_variables(self) -> dict[str, StateVariable | torch.Tensor]:
+        """Every table's state as logical variables (``<table>/<slot>``) and step counts, for checkpoints."""
+        out: dict[str, StateVariable | torch.Tensor] = {}
+        for t in self.tables:
+            for slot in self.slots:
+                out[f"{t.name}/{slot}"] = t.slot_variable(slot)
+            out[f"{t.name}/step"] = t.step
+        return out
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(x.numel() * x.element_size() for t in self.tables for xs in t.state.values() for x in xs)
+
+    def _plan(self) -> list[tuple[Table, dict[str, Any], int, torch.Tensor | None, torch.Tensor]]:
+        work = []
+        for tables, group in zip(self._groups_tables, self.param_groups, strict=True):
+            self._check_options(group)
+            for t in tables:
+                for g in range(len(t.store.groups)):
+                    rows, grad = _slab_grad(t, g)
+                    if grad is not None:
+                        work.append((t, group, g, rows, grad))
+        return work
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = self._plan()  # every table's gradient joined (and checked) before any is changed
+        stepped = {id(t): t for t, *_ in work}
+        for t in stepped.values():
+            t.step += 1
+        for t, group, g, rows, grad in work:
+            weight = t.store.group_rows(g)
+            state = {slot: xs[g] for slot, xs in t.state.items()}
+            if rows is None:  # dense: in place on the slab and its state
+                self.update(weight, state, grad, int(t.step), group, False)
+                continue
+            w = weight.index_select(0, rows)
+            s = {slot: x.index_select(0, rows) for slot, x in state.items()}
+            self.update(w, s, grad, int(t.step), group, True)
+            weight.index_copy_(0, rows, w)
+            for slot, x in state.items():
+                x.index_copy_(0, rows, s[slot])
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """Options and each table's state (logical tensors by name), as torch optimizers give them."""
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        state = {}
+        for name, v in self.sharded_variables().items():
+            state[name] = v.clone() if isinstance(v, torch.Tensor) else _logical(v)
+        return {"param_groups": groups, "state": state}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` gave (same tables and options keys); all checked first."""
+        mine = self.sharded_variables()
+        state = state_dict.get("state", {})
+        if set(state) != set(mine) or len(state_dict.get("param_groups", [])) != len(self.param_groups):
+            raise ShardvarValueError(
+                f"this state dict holds {sorted(state)[:4]}...; the optimizer has {sorted(mine)[:4]}..."
+            )
+        for name, v in mine.items():
+            if tuple(state[name].shape) != tuple(v.shape):
+                raise ShardvarValueError(f"state {name!r} is {list(state[name].shape)}; expected {list(v.shape)}")
+        for name, v in mine.items():
+            if isinstance(v, torch.Tensor):
+                v.copy_(state[name])
+                continue
+            for s, part in zip(range(v.layout.num_shards), v.layout.split(state[name]), strict=True):
+                if s in v.shards:
+                    v.shards[s].copy_(part)
+        for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            group.update({k: x for k, x in saved.items() if k != "params"})
+
+
+def _logical(v: StateVariable) -> torch.Tensor:
+    return v.layout.join([v.shards[s] for s in range(v.layout.num_shards)])

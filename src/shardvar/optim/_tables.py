@@ -1,0 +1,153 @@
+"""The tables an optimizer updates, and their state laid out like them.
+
+A *table* is one logical parameter: a sharded one (a ShardedEmbedding's weight, a partitioned
+parameter, a ShardedVariable, a distributed table's local shards) or a plain parameter, seen as
+one shard. Its state (Adagrad's sums, Adam's moments) is allocated per store group: one tensor
+per slab, with each shard's state a view at that shard's rows, so an update runs once per slab,
+not once per shard, and the checkpoint saves the state as logical variables in the table's layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._errors import ShardvarTypeError, ShardvarValueError
+from ..layout import Layout
+from ..nn import sharded_parameters
+from ..variables import ShardedVariable
+from ..variables._store import ShardStore
+
+__all__ = ["Table", "StateVariable", "find_tables"]
+
+
+@dataclass
+class StateVariable:
+    """One optimizer slot of a table, as the checkpoint sees a sharded object."""
+
+    layout: Layout
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    shards: dict[int, torch.Tensor]
+
+    def local_shards(self) -> dict[int, torch.Tensor]:
+        return dict(self.shards)
+
+
+@dataclass(eq=False)
+class Table:
+    """A logical parameter the optimizer updates: its store, and its state per slot and group."""
+
+    name: str
+    store: ShardStore
+    state: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # slot -> one tensor per group
+    step: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        shards = self.store.local_shards()
+        return [shards[s] for s in sorted(shards)]
+
+    def add_slot(self, slot: str, row_wise: bool, fill: float) -> None:
+        """Allocate a slot: shaped like the table (element-wise) or one value per row (row-wise)."""
+        if row_wise and self.store.layout.axis != 0:
+            raise ShardvarValueError(
+                f"table {self.name!r} is split along axis {self.store.layout.axis}; a row-wise optimizer needs "
+                "tables split by rows (axis 0)"
+            )
+        tensors = []
+        for g, group in enumerate(self.store.groups):
+            rows = self.store.group_rows(g)
+            shape = (group.rows,) if row_wise else tuple(rows.shape)
+            tensors.append(torch.full(shape, fill, dtype=rows.dtype, device=rows.device))
+        self.state[slot] = tensors
+
+    def slot_variable(self, slot: str) -> StateVariable:
+        """The slot as a sharded object in the table's layout (views of the state tensors)."""
+        store, layout = self.store, self.store.layout
+        shards, row_wise = {}, self.state[slot][0].dim() == 1
+        for g, group in enumerate(store.groups):
+            state = self.state[slot][g]
+            if not row_wise:
+                shards.update(store.split_grad(g, state))  # the same views a slab's gradient splits into
+                continue
+            for s, first, step in zip(group.members, group.starts, group.steps, strict=True):
+                size = layout.sizes[s]
+                shards[s] = state[first : first + step * (size - 1) + 1 : step] if size else state[first:first]
+        shape = (layout.num_rows,) if row_wise else tuple(store.shape)
+        return StateVariable(layout, shape, self.state[slot][0].dtype, shards)
+
+
+def _plain(name: str, p: torch.Tensor) -> Table:
+    if not isinstance(p, torch.Tensor) or not p.is_leaf:
+        raise ShardvarTypeError(f"parameter {name!r} must be a leaf tensor (an nn.Parameter); got {type(p).__name__}")
+    if p.dim() == 0:
+        raise ShardvarValueError(f"parameter {name!r} is 0-d; table optimizers update tensors with rows")
+    return Table(name, ShardedVariable([p]).store)
+
+
+def _from_module(module: nn.Module, prefix: str) -> list[Table]:
+    tables, taken = [], set()
+    for mod_name, sub in module.named_modules():
+        for local, value in sharded_parameters(sub, recurse=False).items():
+            name = f"{mod_name}.{local}" if mod_name else local
+            tables.append(Table(prefix + name, value.store))
+            taken |= {id(p) for p in value.store.local_shards().values()}
+    for name, p in module.named_parameters():
+        if id(p) not in taken and p.requires_grad:
+            tables.append(_plain(prefix + name, p))
+            taken.add(id(p))
+    return tables
+
+
+def _one(item: Any, name: str) -> list[Table]:
+    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+        return _one(item[1], item[0])
+    if isinstance(item, nn.Module):  # named: its tables are "<name>.<parameter>"
+        return _from_module(item, "" if name.startswith("#") else f"{name}.")
+    if isinstance(item, ShardedVariable):
+        return [Table(name, item.store)]
+    if isinstance(item, ShardStore):
+        return [Table(name, item)]
+    if isinstance(item, torch.Tensor):
+        return [_plain(name, item)]
+    raise ShardvarTypeError(
+        f"cannot optimize a {type(item).__name__}: give modules, ShardedVariables, parameters, "
+        "(name, parameter) pairs or param-group dicts"
+    )
+
+
+def find_tables(params: Any) -> list[dict[str, Any]]:
+    """Param groups of tables: ``[{"tables": [Table, ...], **options}, ...]``, names unique."""
+    items = [params] if isinstance(params, (nn.Module, ShardedVariable, ShardStore, torch.Tensor)) else params
+    if not isinstance(items, Iterable):
+        raise ShardvarTypeError(f"params must be a module, tables or param groups; got {type(params).__name__}")
+    groups, loose = [], []
+    for i, item in enumerate(list(items)):
+        if isinstance(item, dict):
+            if "params" not in item:
+                raise ShardvarValueError(f"param group {i} has no 'params' entry")
+            tables = find_tables(item["params"])[0]["tables"] if item["params"] is not None else []
+            groups.append({**{k: v for k, v in item.items() if k != "params"}, "tables": tables})
+        else:
+            loose += _one(item, f"#{i}")
+    if loose:
+        groups.insert(0, {"tables": loose})
+    seen: dict[str, Table] = {}
+    owner: dict[int, str] = {}
+    for group in groups:
+        for t in group["tables"]:
+            if t.name in seen:
+                raise ShardvarValueError(f"two tables are named {t.name!r}; name them with (name, table) pairs")
+            for p in t.params:
+                if id(p) in owner:
+                    raise ShardvarValueError(f"table {t.name!r} shares a parameter with {owner[id(p)]!r}")
+                owner[id(p)] = t.name
+            seen[t.name] = t
+    if not seen:
+        raise ShardvarValueError("the optimizer got no tables to update")
+    return groups
