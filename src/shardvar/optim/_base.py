@@ -24,8 +24,11 @@ __all__ = ["TableOptimizer", "Update"]
 Update = Callable[[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, int, dict[str, Any], bool], None]
 
 
-def _slab_grad(table: Table, g: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(distinct slab rows, their summed gradient) when sparse, (None, dense slab gradient), or (None, None)."""
+def _slab_grad(table: Table, g: int, summed: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(distinct slab rows, their summed gradient) when sparse, (None, dense slab gradient), or (None, None).
+
+    ``summed=False`` keeps duplicate rows (for linear updates, which ``index_add_`` applies directly).
+    """
     store = table.store
     group = store.groups[g]
     shards = store.local_shards()
@@ -43,6 +46,8 @@ def _slab_grad(table: Table, g: int) -> tuple[torch.Tensor | None, torch.Tensor 
             rows.append(first + step * local)
             values.append(x._values().reshape(x._values().shape[0], store.width))
         rows_, values_ = torch.cat(rows), torch.cat(values)
+        if not summed:
+            return rows_, values_
         unique, inverse = torch.unique(rows_, return_inverse=True)
         summed = torch.zeros(unique.numel(), values_.shape[1], dtype=values_.dtype, device=values_.device)
         return unique, summed.index_add_(0, inverse, values_)
@@ -82,6 +87,10 @@ class TableOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
 
+    def linear(self, group: dict[str, Any]) -> bool:
+        """Whether the update is ``weight -= lr * grad`` (sparse rows then need no summing)."""
+        return False
+
     def _check_options(self, group: dict[str, Any]) -> None:
         check_number(group["lr"], "lr", minimum=0)
         check_number(group.get("weight_decay", 0.0), "weight_decay", minimum=0)
@@ -109,7 +118,7 @@ class TableOptimizer(torch.optim.Optimizer):
             self._check_options(group)
             for t in tables:
                 for g in range(len(t.store.groups)):
-                    rows, grad = _slab_grad(t, g)
+                    rows, grad = _slab_grad(t, g, summed=not self.linear(group))
                     if grad is not None:
                         work.append((t, group, g, rows, grad))
         return work
@@ -129,6 +138,9 @@ class TableOptimizer(torch.optim.Optimizer):
             state = {slot: xs[g] for slot, xs in t.state.items()}
             if rows is None:  # dense: in place on the slab and its state
                 self.update(weight, state, grad, int(t.step), group, False)
+                continue
+            if self.linear(group):  # duplicates add up in the update itself, as torch's sparse add_ does
+                weight.index_add_(0, rows, grad, alpha=-group["lr"])
                 continue
             w = weight.index_select(0, rows)
             s = {slot: x.index_select(0, rows) for slot, x in state.items()}

@@ -42,6 +42,9 @@ class SGD(TableOptimizer):
         self.slots = {"momentum_buffer": (False, 0.0)} if momentum else {}
         super().__init__(params, {"lr": lr, "momentum": momentum, "nesterov": nesterov, "weight_decay": weight_decay})
 
+    def linear(self, group: dict[str, Any]) -> bool:
+        return not group["momentum"] and not group["weight_decay"]
+
     @staticmethod
     def update(w: torch.Tensor, s: dict, g: torch.Tensor, step: int, o: dict, sparse: bool) -> None:
         d = _decayed(w, g, o)
