@@ -6,6 +6,7 @@ state is saved by ``shardvar.save`` as logical variables in the table's layout, 
 """
 
 from ._base import TableOptimizer
+from ._fused import FusedHandle, fuse
 from ._optimizers import SGD, Adagrad, Adam, RowWiseAdagrad, RowWiseAdam
 from ._tables import StateVariable, Table, find_tables
 
@@ -19,4 +20,6 @@ __all__ = [
     "Table",
     "TableOptimizer",
     "find_tables",
+    "fuse",
+    "FusedHandle",
 ]

@@ -24,6 +24,20 @@ __all__ = ["TableOptimizer", "Update"]
 Update = Callable[[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, int, dict[str, Any], bool], None]
 
 
+def _sparse_rows(table: Table, s: int, x: torch.Tensor, first: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slab rows and gradient rows of shard ``s``'s sparse gradient ``x`` (duplicates kept), range-checked."""
+    local = x._indices()[0]
+    if local.numel() and (int(local.min()) < 0 or int(local.max()) >= table.store.layout.sizes[s]):
+        raise ShardvarIndexError(f"table {table.name!r}: shard {s} has a sparse gradient for rows outside it")
+    return first + step * local, x._values().reshape(local.numel(), table.store.width)
+
+
+def _summed(rows: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    unique, inverse = torch.unique(rows, return_inverse=True)
+    out = torch.zeros(unique.numel(), values.shape[1], dtype=values.dtype, device=values.device)
+    return unique, out.index_add_(0, inverse, values)
+
+
 def _slab_grad(table: Table, g: int, summed: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(distinct slab rows, their summed gradient) when sparse, (None, dense slab gradient), or (None, None).
 
@@ -36,23 +50,14 @@ def _slab_grad(table: Table, g: int, summed: bool = True) -> tuple[torch.Tensor 
     if all(x is None for x in grads):
         return None, None
     if any(x is not None and x.is_sparse for x in grads):
-        rows, values = [], []
-        for s, x, first, step in zip(group.members, grads, group.starts, group.steps, strict=True):
-            if x is None:
-                continue
-            local = x._indices()[0]  # duplicates allowed: summed once per slab below
-            if local.numel() and (int(local.min()) < 0 or int(local.max()) >= store.layout.sizes[s]):
-                raise ShardvarIndexError(f"table {table.name!r}: shard {s} has a sparse gradient for rows outside it")
-            rows.append(first + step * local)
-            values.append(x._values().reshape(x._values().shape[0], store.width))
-        rows_, values_ = torch.cat(rows), torch.cat(values)
-        if not summed:
-            return rows_, values_
-        unique, inverse = torch.unique(rows_, return_inverse=True)
-        summed = torch.zeros(unique.numel(), values_.shape[1], dtype=values_.dtype, device=values_.device)
-        return unique, summed.index_add_(0, inverse, values_)
-    slab = store.group_rows(g)
-    dense = torch.zeros_like(slab)
+        found = [
+            _sparse_rows(table, s, x, first, step)
+            for s, x, first, step in zip(group.members, grads, group.starts, group.steps, strict=True)
+            if x is not None
+        ]
+        rows, values = torch.cat([r for r, _ in found]), torch.cat([v for _, v in found])
+        return (rows, values) if not summed else _summed(rows, values)
+    dense = torch.zeros_like(store.group_rows(g))
     for view, x in zip(store.split_grad(g, dense).values(), grads, strict=True):
         if x is not None:
             view.copy_(x)
@@ -80,6 +85,8 @@ class TableOptimizer(torch.optim.Optimizer):
             for t in tables:
                 for slot, (row_wise, fill) in self.slots.items():
                     t.add_slot(slot, row_wise, float(group[fill] if isinstance(fill, str) else fill))
+
+    _fused: Any = None  # the FusedHandle while fused
 
     def __getstate__(self) -> dict[str, Any]:  # torch's keeps only defaults, state and param_groups
         return self.__dict__.copy()
@@ -134,21 +141,46 @@ class TableOptimizer(torch.optim.Optimizer):
         for t in stepped.values():
             t.step += 1
         for t, group, g, rows, grad in work:
-            weight = t.store.group_rows(g)
-            state = {slot: xs[g] for slot, xs in t.state.items()}
-            if rows is None:  # dense: in place on the slab and its state
-                self.update(weight, state, grad, int(t.step), group, False)
-                continue
-            if self.linear(group):  # duplicates add up in the update itself, as torch's sparse add_ does
-                weight.index_add_(0, rows, grad, alpha=-group["lr"])
-                continue
-            w = weight.index_select(0, rows)
-            s = {slot: x.index_select(0, rows) for slot, x in state.items()}
-            self.update(w, s, grad, int(t.step), group, True)
-            weight.index_copy_(0, rows, w)
-            for slot, x in state.items():
-                x.index_copy_(0, rows, s[slot])
+            self._apply(t, group, g, rows, grad, int(t.step), rows is not None)
         return loss
+
+    def _apply(
+        self, t: Table, group: dict, g: int, rows: torch.Tensor | None, grad: torch.Tensor, step: int, sparse: bool
+    ) -> None:
+        """Update group ``g`` of table ``t``: the whole slab (``rows`` None) or those slab rows."""
+        weight = t.store.group_rows(g)
+        state = {slot: xs[g] for slot, xs in t.state.items()}
+        if rows is None:  # dense: in place on the slab and its state
+            self.update(weight, state, grad, step, group, False)
+            return
+        if sparse and self.linear(group):  # duplicates add up in the update itself, as torch's sparse add_ does
+            weight.index_add_(0, rows, grad, alpha=-group["lr"])
+            return
+        w = weight.index_select(0, rows)
+        s = {slot: x.index_select(0, rows) for slot, x in state.items()}
+        self.update(w, s, grad, step, group, sparse)
+        weight.index_copy_(0, rows, w)
+        for slot, x in state.items():
+            x.index_copy_(0, rows, s[slot])
+
+    def _update_member(self, t: Table, group: dict, g: int, k: int, step: int) -> None:
+        """Update member ``k`` of group ``g`` from its own gradient (the fused path, one shard at a time)."""
+        store = t.store
+        info = store.groups[g]
+        s, first, stride = info.members[k], info.starts[k], info.steps[k]
+        x = store.local_shards()[s].grad
+        if x is None:
+            return
+        if x.is_sparse:
+            rows, values = _sparse_rows(t, s, x, first, stride)
+            if not self.linear(group):
+                rows, values = _summed(rows, values)
+            self._apply(t, group, g, rows, values, step, True)
+            return
+        size = store.layout.sizes[s]
+        rows = first + stride * torch.arange(size, device=x.device)
+        grad = torch.movedim(x, store.layout.axis, 0).reshape(size, store.width)
+        self._apply(t, group, g, rows, grad, step, False)
 
     def state_dict(self) -> dict[str, Any]:
         """Options and each table's state (logical tensors by name), as torch optimizers give them."""
