@@ -135,3 +135,21 @@ def test_async_saves_overlap_training_and_deltas_chain_across_ranks(tmp_path) ->
         got = shardvar.ShardedVariable([opt.state[p]["exp_avg"] for p in model.emb.shards]).to_tensor()
         torch.testing.assert_close(got, moments, atol=0, rtol=0)
     assert "delta" in shardvar.checkpoint.Manifest.read(tmp_path / "delta").extra
+
+
+@pytest.mark.parametrize(
+    ("name", "sparse", "fused"), [("RowWiseAdagrad", True, True), ("Adam", False, False), ("SGD", True, False)]
+)
+def test_table_optimizers_on_two_processes_equal_one(tmp_path, name, sparse, fused) -> None:
+    from dist_optim_workers import OPTIMIZERS
+
+    results = run_ranks(2, "dist_optim_workers:train_table", tmp_path, name=name, sparse=sparse, fused=fused)
+    got = assemble(results, "shards", shardvar.Layout.mod(ROWS, 4))
+    table = nn.Embedding.from_pretrained(RowInitializer(3)((ROWS, DIM)), freeze=False, sparse=sparse)
+    opt = OPTIMIZERS[name](table)
+    for step in range(5):
+        loss = sum(table(batch(rank, step, 11)[0]).pow(2).sum() for rank in range(2))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    torch.testing.assert_close(got, table.weight.detach(), atol=1e-5, rtol=0)
