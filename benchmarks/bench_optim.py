@@ -112,7 +112,8 @@ def main() -> None:
         )
     state = so.RowWiseAdagrad(shardvar.ShardedEmbedding(args.rows, args.dim, 8), lr=0.1).state_bytes
     rows.append(["RowWiseAdagrad state / table", f"{state / table_bytes:.4f}", f"{state >> 20} MiB"])
-    for which in ("fused RowWiseAdagrad", "RowWiseAdagrad", "Adam", "torch Adagrad, dense nn.Embedding"):
+    cases = ("fused RowWiseAdagrad", "RowWiseAdagrad", "Adam", "torch Adagrad, dense nn.Embedding")
+    for which in cases[:1] if args.quick else cases:  # quick: one case, as a smoke test
         cmd = [sys.executable, "-c", PEAK, str(args.rows), str(args.dim), str(args.ids), which]
         peak = int(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
         state = {"Adam": 2 * table_bytes}.get(which, args.rows * 4 if "RowWise" in which else table_bytes)

@@ -188,7 +188,8 @@ print(status("VmHWM") - base)
 def memory_rows(args: argparse.Namespace, r: Callable) -> list[list[object]]:
     """Peak memory of three training steps (a fresh process per case), sharded over unsharded."""
     out = []
-    for name in ("dense Adam", "Adagrad (dense)", "SparseAdam", "sparse SGD", "Adagrad (sparse)"):
+    names = ("dense Adam", "Adagrad (dense)", "SparseAdam", "sparse SGD", "Adagrad (sparse)")
+    for name in names[:1] if args.quick else names:  # quick: one case, as a smoke test
         peak = {}
         for which in ("sharded", "plain"):
             cmd = [sys.executable, "-c", MEMORY, str(args.rows), str(args.dim), str(args.train_ids), name, which]
