@@ -223,3 +223,19 @@ def test_deepcopy_and_dtype_conversions_keep_the_shards_working(kind) -> None:
     assert sharded_parameters(model)["weight"].dtype == torch.float64
     model.half()
     assert model.state_dict()["weight"].dtype == torch.float16
+
+
+def test_a_variable_built_outside_a_module_becomes_its_parameter_under_a_new_name() -> None:
+    v = shardvar.ShardedVariable([nn.Parameter(torch.randn(3, 2)), nn.Parameter(torch.randn(2, 2))], strategy="mod")
+    m = nn.Module()
+    shardvar.shard_parameter(m, "table", v)
+    assert [id(p) for p in m.parameters()] == [id(p) for p in v.variables]
+    assert list(m.state_dict()) == ["table"] and torch.equal(m.table, v.to_tensor())
+    m.table.pow(2).sum().backward()
+    torch.testing.assert_close(v.variables[0].grad, 2 * v.variables[0].detach())
+    with pytest.raises(TypeError, match=r"must be nn\.Parameters"):
+        shardvar.shard_parameter(nn.Module(), "x", shardvar.ShardedVariable([torch.randn(3, 2)]))
+    taken = nn.Module()
+    taken.x = 3
+    with pytest.raises(ValueError, match="already has an attribute 'x'"):
+        shardvar.shard_parameter(taken, "x", v)

@@ -111,6 +111,23 @@ def _tied_store(variable: ShardedVariable, param: torch.Tensor, what: str) -> Sh
     return store
 
 
+def _register_placeholder(module: nn.Module, name: str, variable: ShardedVariable) -> None:
+    """A new name for a variable's shards: a shape-only (meta) parameter that the shards replace at once."""
+    if name in module._parameters or "." in name or not name.isidentifier():
+        return  # an existing parameter (tied to the variable) or a bad name (refused by _check_target)
+    if hasattr(module, name):
+        raise ShardvarValueError(f"{type(module).__name__} already has an attribute {name!r} that is not a parameter")
+    shards = variable.store.local_shards().values()
+    if not all(isinstance(t, nn.Parameter) for t in shards):
+        raise ShardvarTypeError(
+            f"the shards of the variable registered as {type(module).__name__}.{name} must be nn.Parameters; build "
+            "it from Parameters, or call shard_parameter on an existing parameter of the module"
+        )
+    grad = any(t.requires_grad for t in shards)
+    meta = torch.empty(tuple(variable.shape), dtype=variable.dtype, device="meta")
+    module.register_parameter(name, nn.Parameter(meta, requires_grad=grad))
+
+
 def shard_parameter(
     module: nn.Module,
     name: str,
@@ -121,12 +138,18 @@ def shard_parameter(
 
     ``layout`` is a Layout, partitioner, PartitionerConfig, ``"1,4"`` string or shard count; or
     a ShardedVariable, whose shard Parameters the parameter then shares (a tie: its values win).
+    With a ShardedVariable, ``name`` may also be new: this is how a variable built outside a
+    module becomes one of its parameters (plain attribute assignment does not register tensors
+    that torch does not know, so ``module.v = variable`` leaves the shards out of
+    ``parameters()``).
 
     >>> fc = nn.Linear(4, 6)
     >>> v = shard_parameter(fc, "weight", "1,2")
     >>> [tuple(t.shape) for t in v.variables], list(fc.state_dict())
     ([(6, 2), (6, 2)], ['weight', 'bias'])
     """
+    if isinstance(layout, ShardedVariable) and isinstance(module, nn.Module) and isinstance(name, str):
+        _register_placeholder(module, name, layout)
     param = _check_target(module, name)
     what = f"{type(module).__name__}.{name}"
     if isinstance(layout, ShardedVariable):
