@@ -28,7 +28,16 @@ from .checkpoint import (
 from .checkpoint import open_checkpoint as open  # shardvar.open(path), as zarr.open
 from .distributed import DistributedEmbedding, DistributedShardedVariable
 from .layout import Layout, SlicePlan, ceil_sizes
-from .nn import ShardedEmbedding, ShardedEmbeddingBag, ShardedLinear, shard_parameter, sharded_parameters
+from .nn import (
+    EmbeddingBagCollection,
+    KeyedJagged,
+    ShardedEmbedding,
+    ShardedEmbeddingBag,
+    ShardedLinear,
+    TableConfig,
+    shard_parameter,
+    sharded_parameters,
+)
 from .optim import RowWiseAdagrad, RowWiseAdam, TableOptimizer
 from .partitioners import (
     FixedShardsPartitioner,
@@ -98,6 +107,9 @@ __all__ = [
     "fixed_size_partitioner",
     "load",
     "open",
+    "EmbeddingBagCollection",
+    "KeyedJagged",
+    "TableConfig",
     "optim",
     "RowWiseAdagrad",
     "RowWiseAdam",

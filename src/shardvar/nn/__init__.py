@@ -1,10 +1,14 @@
 """nn.Modules over sharded tables, and any module's parameters stored as shards."""
 
+from ._collection import EmbeddingBagCollection, KeyedJagged, TableConfig
 from ._embedding import ShardedEmbedding, ShardedEmbeddingBag
 from ._linear import ShardedLinear
 from ._parameter import ShardsParametrization, set_state_dict_form, shard_parameter, sharded_parameters
 
 __all__ = [
+    "EmbeddingBagCollection",
+    "KeyedJagged",
+    "TableConfig",
     "ShardedEmbedding",
     "ShardedEmbeddingBag",
     "ShardedLinear",
