@@ -153,3 +153,33 @@ def test_table_optimizers_on_two_processes_equal_one(tmp_path, name, sparse, fus
         opt.step()
         opt.zero_grad()
     torch.testing.assert_close(got, table.weight.detach(), atol=1e-5, rtol=0)
+
+
+def test_a_collection_of_tables_trains_as_one_process_in_one_exchange_per_group(tmp_path) -> None:
+    from dist_collection_workers import TABLES, batch
+
+    results = run_ranks(2, "dist_collection_workers:train_collection", tmp_path / "w", path=str(tmp_path))
+    r = results[0]
+    assert r["groups"] == 2 and all(n == r["groups"] * r["one_table"] for n in r["per_step"])  # not 5 tables' worth
+    plain = nn.ModuleDict(
+        {k: nn.EmbeddingBag(c.num_embeddings, c.embedding_dim, mode=c.mode) for k, c in TABLES.items()}
+    )
+    shardvar.load({"model": nn.ModuleDict({"embedding_bags": plain})}, tmp_path / "init")  # tables into plain bags
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for step in range(4):
+        loss = 0
+        for rank in range(2):
+            out = {k: plain[k](ids) for k, ids in batch(rank, step).items()}
+            loss = loss + sum((v * (i + 1)).pow(2).sum() for i, v in enumerate(out.values()))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    final = nn.ModuleDict({k: nn.EmbeddingBag(c.num_embeddings, c.embedding_dim) for k, c in TABLES.items()})
+    shardvar.load({"model": nn.ModuleDict({"embedding_bags": final})}, tmp_path / "final")
+    for k in TABLES:
+        torch.testing.assert_close(final[k].weight, plain[k].weight, atol=1e-5, rtol=0)
+    local = shardvar.EmbeddingBagCollection(
+        {k: shardvar.TableConfig(c.num_embeddings, c.embedding_dim, 2, "mod") for k, c in TABLES.items()}
+    )
+    shardvar.load({"model": local}, tmp_path / "final")  # the local collection names its tables alike
+    torch.testing.assert_close(local.embedding_bags["d"].weight.to_tensor(), plain["d"].weight, atol=1e-5, rtol=0)

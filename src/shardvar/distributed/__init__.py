@@ -1,6 +1,7 @@
 """Shards spread over the ranks of a torch.distributed process group (gloo on CPU, NCCL on CUDA)."""
 
 from ._checkpoint import load, save
+from ._collection import DistributedEmbeddingBagCollection
 from ._comm import DEFAULT_TIMEOUT, Comm
 from ._module import DistributedEmbedding, DistributedEmbeddingBag
 from ._variable import DistributedShardedVariable, distributed_store, round_robin
@@ -10,6 +11,7 @@ __all__ = [
     "Comm",
     "DistributedEmbedding",
     "DistributedEmbeddingBag",
+    "DistributedEmbeddingBagCollection",
     "DistributedShardedVariable",
     "distributed_store",
     "load",

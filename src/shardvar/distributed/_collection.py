@@ -1,0 +1,177 @@
+"""DistributedEmbeddingBagCollection: many tables over ranks, all looked up in one exchange.
+
+The tables of one (width, mode) group are the pieces of one distributed table whose shards are
+the tables' shards, in order (an explicit div layout of their sizes): a table's id ``i`` is the
+group's row ``start + storage_row(i)``. A step then makes the group's collectives once (the
+split sizes, the ids, the rows back, the gradient rows in backward), whatever the number of
+tables. Each table keeps its own layout and placement (``"row"``: its shards round robin over
+the ranks; ``"table"``: whole on one rank, chosen round robin over the tables; or a rank) and is
+checkpointed as its own logical variable, so it restores into another world size, other layouts,
+a local ``EmbeddingBagCollection`` or plain ``nn.EmbeddingBag``s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._errors import ShardvarTypeError, ShardvarValueError
+from .._validate import check_choice
+from ..layout import Layout, as_ids, check_ids
+from ..nn import KeyedJagged, TableConfig
+from ..nn._collection import _as_bags
+from ..variables import RowInitializer
+from ..variables._create import to_layout
+from ._comm import DEFAULT_TIMEOUT, Comm
+from ._module import DistributedEmbeddingBag
+
+__all__ = ["DistributedEmbeddingBagCollection"]
+
+
+@dataclass
+class _TableView:
+    """One table of a group, as the checkpoint sees a sharded object (its layout, this rank's shards)."""
+
+    layout: Layout
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    shards: dict[int, torch.Tensor]
+
+    def local_shards(self) -> dict[int, torch.Tensor]:
+        return dict(self.shards)
+
+
+class _GroupBag(DistributedEmbeddingBag):
+    """The group's distributed table; the collection names its tables, so it names none itself."""
+
+    def sharded_variables(self) -> dict[str, Any]:
+        return {}
+
+    def distributed_variables(self) -> dict[str, Any]:
+        return {}
+
+
+def _ranks(spec: Any, layout: Layout, index: int, world: int, name: str) -> list[int]:
+    if spec == "row":
+        return [(index + s) % world for s in range(layout.num_shards)]  # rotated: tables spread their first shards
+    if spec == "table":
+        return [index % world] * layout.num_shards
+    if isinstance(spec, int) and not isinstance(spec, bool) and 0 <= spec < world:
+        return [spec] * layout.num_shards
+    raise ShardvarValueError(
+        f"placement of table {name!r} must be 'row', 'table' or a rank in [0, {world}); got {spec!r}"
+    )
+
+
+class DistributedEmbeddingBagCollection(nn.Module):
+    """Named tables sharded over the ranks of a process group, looked up in one exchange per group.
+
+    Every rank builds it with the same arguments and calls it with every table's feature (its own
+    ids). ``placement`` maps a table to ``"row"`` (default), ``"table"`` or a rank.
+    """
+
+    def __init__(
+        self,
+        tables: dict[str, TableConfig],
+        *,
+        placement: dict[str, Any] | None = None,
+        sparse: bool = False,
+        initializer: RowInitializer | None = None,
+        group: Any = None,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        super().__init__()
+        if not isinstance(tables, dict) or not tables or not all(isinstance(c, TableConfig) for c in tables.values()):
+            raise ShardvarTypeError(f"tables must be a non-empty dict of name -> TableConfig; got {tables!r:.80}")
+        placement = placement or {}
+        unknown = sorted(set(placement) - set(tables))
+        if unknown:
+            raise ShardvarValueError(f"placement names tables {unknown} that are not in the collection")
+        for name, cfg in tables.items():
+            check_choice(cfg.mode, f"mode of table {name!r}", ("sum", "mean", "max"))
+        world = Comm(group, timeout).world
+        self.configs = dict(tables)
+        self.layouts: dict[str, Layout] = {}
+        by_kind: dict[tuple[int, str], list[str]] = {}
+        for name, cfg in tables.items():
+            spec = placement.get(name, "row")
+            count = 1 if spec != "row" else cfg.partitioner
+            self.layouts[name] = to_layout(count, (cfg.num_embeddings, cfg.embedding_dim), None, cfg.partition_strategy)
+            by_kind.setdefault((cfg.embedding_dim, cfg.mode), []).append(name)
+        self.groups: list[list[str]] = list(by_kind.values())
+        self.starts: dict[str, int] = {}
+        bags = []
+        for (dim, mode), names in by_kind.items():
+            sizes, ranks, start = [], [], 0
+            for name in names:
+                layout = self.layouts[name]
+                self.starts[name] = start
+                start += layout.num_rows
+                sizes += list(layout.sizes)
+                ranks += _ranks(placement.get(name, "row"), layout, list(tables).index(name), world, name)
+            bags.append(
+                _GroupBag(
+                    start,
+                    dim,
+                    Layout.explicit(sizes),
+                    mode=mode,
+                    sparse=sparse,
+                    placement=ranks,
+                    initializer=initializer,
+                    group=group,
+                    timeout=timeout,
+                )
+            )
+        for bag in bags:
+            bag.set_state_dict_form("sharded")  # this rank's shards; tables are saved by the collection
+        self.bags = nn.ModuleList(bags)
+
+    def sharded_variables(self) -> dict[str, _TableView]:
+        """Each table as one logical variable, named as in ``EmbeddingBagCollection``, in its own layout."""
+        out = {}
+        for names, bag in zip(self.groups, self.bags, strict=True):
+            local, first = bag.store.local_shards(), 0
+            for name in names:
+                layout = self.layouts[name]
+                mine = {s: local[first + s] for s in range(layout.num_shards) if first + s in local}
+                cfg = self.configs[name]
+                out[f"embedding_bags.{name}.weight"] = _TableView(
+                    layout, (cfg.num_embeddings, cfg.embedding_dim), bag.store.dtype, mine
+                )
+                first += layout.num_shards
+        return out
+
+    def forward(
+        self,
+        features: dict[str, Any] | KeyedJagged,
+        offsets: dict[str, Any] | None = None,
+        per_sample_weights: dict[str, Any] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Bags per table. Collective: every rank calls it, with a feature for every table."""
+        if isinstance(features, KeyedJagged):
+            features, offsets, per_sample_weights = features.split()
+        if not isinstance(features, dict) or set(features) != set(self.configs):
+            got = sorted(features) if isinstance(features, dict) else type(features).__name__
+            raise ShardvarValueError(f"every rank gives a feature for every table {sorted(self.configs)}; got {got}")
+        offsets, weights = offsets or {}, per_sample_weights or {}
+        out: dict[str, torch.Tensor] = {}
+        for names, bag in zip(self.groups, self.bags, strict=True):
+            rows, offs, psw, counts, total = [], [], [], [], 0
+            for name in names:
+                ids, off = _as_bags(name, features[name], offsets.get(name))
+                layout = self.layouts[name]
+                check_ids(ids, layout.num_rows)
+                rows.append(self.starts[name] + layout.strategy.storage_rows(layout.sizes, ids))
+                offs.append(off + total)
+                counts.append(off.numel())
+                total += ids.numel()
+                if name in weights:
+                    psw.append(torch.as_tensor(weights[name], dtype=bag.store.dtype).reshape(-1))
+            if psw and len(psw) != len(names):
+                raise ShardvarValueError(f"per_sample_weights must be given for all of tables {names} or none")
+            pooled = bag(torch.cat(rows), as_ids(torch.cat(offs)), per_sample_weights=torch.cat(psw) if psw else None)
+            out.update(zip(names, pooled.split(counts), strict=True))
+        return {n: out[n] for n in features}

@@ -1,0 +1,48 @@
+"""Workers for the distributed embedding-collection tests (run by dist_workers.main)."""
+
+from __future__ import annotations
+
+import torch
+
+import shardvar
+from shardvar import TableConfig
+from shardvar.distributed import DistributedEmbeddingBag, DistributedEmbeddingBagCollection
+from shardvar.variables import RowInitializer
+
+TABLES = {
+    "a": TableConfig(30, 4, 3, "mod"),
+    "b": TableConfig(20, 4, 2, "div"),
+    "c": TableConfig(11, 4),
+    "d": TableConfig(9, 6, 2, "div"),
+    "e": TableConfig(7, 4),
+}
+PLACEMENT = {"c": "table", "e": 1}
+
+
+def batch(rank: int, step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return {k: torch.randint(0, c.num_embeddings, (3, 2), generator=g) for k, c in TABLES.items()}
+
+
+def all_to_alls(module: torch.nn.Module) -> int:
+    comms = {id(m.store.exchange.comm): m.store.exchange.comm for m in module.modules() if hasattr(m, "store")}
+    return sum(c.calls["all_to_all"] for c in comms.values())
+
+
+def train_collection(rank: int, world: int, path: str) -> dict:
+    ebc = DistributedEmbeddingBagCollection(TABLES, placement=PLACEMENT, initializer=RowInitializer(5))
+    shardvar.distributed.save({"model": ebc}, f"{path}/init")
+    opt = torch.optim.SGD(ebc.parameters(), lr=0.1)
+    per_step = []
+    for step in range(4):
+        before = all_to_alls(ebc)
+        out = ebc(batch(rank, step))
+        sum((v * (i + 1)).pow(2).sum() for i, v in enumerate(out.values())).backward()
+        opt.step()
+        opt.zero_grad()
+        per_step.append(all_to_alls(ebc) - before)
+    shardvar.distributed.save({"model": ebc}, f"{path}/final")
+    lone = DistributedEmbeddingBag(30, 4, 2)
+    before = all_to_alls(lone)
+    lone(torch.tensor([[1, 2]])).sum().backward()
+    return {"per_step": per_step, "one_table": all_to_alls(lone) - before, "groups": len(ebc.groups)}
