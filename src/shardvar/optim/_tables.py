@@ -94,9 +94,12 @@ def _from_module(module: nn.Module, prefix: str) -> list[Table]:
     tables, taken = [], set()
     for mod_name, sub in module.named_modules():
         for local, value in sharded_parameters(sub, recurse=False).items():
+            store = getattr(value, "store", None)
+            if store is None:  # a view without a store (a distributed collection's table): its shards below
+                continue
             name = f"{mod_name}.{local}" if mod_name else local
-            tables.append(Table(prefix + name, value.store))
-            taken |= {id(p) for p in value.store.local_shards().values()}
+            tables.append(Table(prefix + name, store))
+            taken |= {id(p) for p in store.local_shards().values()}
     for name, p in module.named_parameters():
         if id(p) not in taken and p.requires_grad:
             tables.append(_plain(prefix + name, p))
