@@ -2,6 +2,8 @@
 
     python benchmarks/bench_checkpoint.py [--gib 1.0] [--dir /tmp/shardvar-bench]
 
+Also torch's distributed checkpoint (DCP) loading the same bytes as one tensor, in the same run.
+
 Goals (issue 4): save and restore at least 0.5x the throughput of writing/reading the same bytes
 with plain file I/O (write + fsync, readinto), measured in the same run; an 8 -> 3 shard restore
 peaks at most 64 MiB above the largest target shard. Reads are from the page cache, for both.
@@ -19,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import print_table
@@ -94,6 +97,9 @@ def main() -> None:
     target_mod = shardvar.shard_tensor(torch.zeros(rows, dim), Layout.mod(rows, 3))
     ck = root / "ckpt"
     mod3 = Layout.mod(rows, 3)
+    dcp_dir = root / "dcp"
+    dcp.save({"table": variable.to_tensor()}, checkpoint_id=str(dcp_dir), no_dist=True)  # one tensor: no resharding
+    dcp_target = torch.zeros(rows, dim)
     runs = {
         "raw write": lambda: raw_write(root / "raw.bin", variable.variables),
         "save": lambda: shardvar.save({"table": variable}, ck),
@@ -103,6 +109,7 @@ def main() -> None:
         "restore 3 mod": lambda: shardvar.checkpoint.read_shards(ck, "table", mod3),
         "load 8 div": lambda: shardvar.load({"table": target_same}, ck, staging_bytes=0),
         "load 3 mod": lambda: shardvar.load({"table": target_mod}, ck, staging_bytes=0),
+        "dcp load": lambda: dcp.load({"table": dcp_target}, checkpoint_id=str(dcp_dir), no_dist=True),
     }
     results: dict[str, list[float]] = {}
     for cache in ("warm", "cold"):
@@ -113,7 +120,7 @@ def main() -> None:
                 elif cache == "cold":
                     continue
                 results.setdefault(f"{name} {cache}", []).append(timed(fn))
-    assert torch.equal(target_mod.to_tensor(), variable.to_tensor())
+    assert torch.equal(target_mod.to_tensor(), variable.to_tensor()) and torch.equal(dcp_target, variable.to_tensor())
     best = {k: min(v) for k, v in results.items()}
     print(
         f"{nbytes / (1 << 30):.2f} GiB variable ({rows} x {dim} float32, saved as 8 div shards); best of {args.repeats}"
@@ -145,6 +152,7 @@ def main() -> None:
             ("restore 8 div", "restore -> 8 new div shards (read_shards)", "raw read new"),
             ("restore 3 mod", "restore -> 3 new mod shards (read_shards)", "raw read new"),
             ("raw read new", "plain readinto new tensors", "raw read new"),
+            ("dcp load", "torch DCP load, same layout (no resharding)", "raw read"),
         ):
             t, raw = best[f"{name} {cache}"], best[f"{baseline} {cache}"]
             table.append([label, cache, f"{t:.2f}", f"{nbytes / t / 1e9:.2f}", f"{raw / t:.2f}x"])

@@ -12,7 +12,7 @@ import contextlib
 import mmap
 import os
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -36,6 +36,7 @@ class Files:
         self.directory = directory
         self._open: dict[str, BinaryIO] = {}
         self._maps: dict[str, mmap.mmap | None] = {}
+        self.pending: list[Future] = []  # chunks read straight into new tensors, being hashed
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self.pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1))
 
@@ -159,6 +160,20 @@ def _read(
         raise CheckpointError(f"file {files.directory / piece.file}, variable {entry.name!r}: {e}") from None
 
 
+def _check_block(files: Files, entry: VariableEntry, piece: Piece, first: int, block: torch.Tensor) -> None:
+    """Check the chunks ``first..`` that ``block`` (their rows, contiguous) holds."""
+    stored = piece.stored(entry.dtype)
+    data = memoryview(block.reshape(-1).view(torch.uint8).numpy()) if block.numel() else memoryview(b"")
+    step, checksum = stored.chunk_rows * stored.row_bytes, CHECKSUMS[stored.checksum][0]
+    for k in range(-(-len(data) // step) if step else 1):
+        c = first + k
+        if checksum(data[k * step : (k + 1) * step]) != stored.sums[c]:
+            raise CheckpointError(
+                f"file {files.directory / piece.file}, variable {entry.name!r}: checksum mismatch in tensor "
+                f"{stored.key!r}, rows {c * stored.chunk_rows}.. (chunk {c})"
+            )
+
+
 def _verify(files: Files, entry: VariableEntry, piece: Piece, first: int, last: int) -> None:
     """Check chunks ``first..last`` of ``piece`` in place in the mapped file, reading nothing into memory."""
     stored = piece.stored(entry.dtype)
@@ -255,7 +270,10 @@ def _restore_same_axis(
         ]
         if direct:  # one target shard holds all these rows, in order: read straight into it
             o = direct[0]
-            _read(files, entry, piece, first, last, verify, out=o.out.narrow(0, o.i0 + lo - o.j0, hi - lo))
+            out = o.out.narrow(0, o.i0 + lo - o.j0, hi - lo)
+            _read(files, entry, piece, first, last, False, out=out)
+            if verify:  # hashed on the pool while the next chunks are read; restore_shards waits for it
+                files.pending.append(files.pool.submit(_check_block, files, entry, piece, first, out))
             continue
         block = _read(files, entry, piece, first, last, verify)
         for o in overlaps:
@@ -308,7 +326,16 @@ def restore_shards(
     Each stored chunk is read once, whichever shards need it.
     """
     outs = {s: _new(entry, target, s) for s in shards}
-    _restore(files, entry, target, outs, verify)
+    try:
+        _restore(files, entry, target, outs, verify)
+    except BaseException:
+        pending, files.pending = files.pending, []
+        for f in pending:
+            f.exception()  # let the hashing finish; the error raised here is the one to report
+        raise
+    pending, files.pending = files.pending, []
+    for f in pending:
+        f.result()  # raises the first checksum mismatch
     return [outs[s] for s in shards]
 
 
