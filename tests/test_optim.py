@@ -241,3 +241,26 @@ def test_every_table_is_checked_before_any_changes() -> None:
         opt.step()
     assert torch.equal(a.weight.to_tensor(), before) and int(opt.tables[0].step) == 0
     assert _slab_grad(opt.tables[0], 0)[1] is not None
+
+
+def test_an_embedding_collection_trains_table_by_table_as_separate_bags() -> None:
+    configs = {"a": shardvar.TableConfig(20, 3, 2, "mod"), "b": shardvar.TableConfig(9, 3, 3)}
+    ebc = shardvar.EmbeddingBagCollection(configs, sparse=True)
+    plain = {k: nn.EmbeddingBag(c.num_embeddings, 3, sparse=True) for k, c in configs.items()}
+    for k, bag in plain.items():
+        bag.load_state_dict(ebc.embedding_bags[k].state_dict())
+    ours = so.RowWiseAdagrad(ebc, lr=0.1)
+    assert [t.name for t in ours.tables] == ["embedding_bags.a.weight", "embedding_bags.b.weight"]
+    theirs = {k: so.RowWiseAdagrad(b, lr=0.1) for k, b in plain.items()}
+    g = torch.Generator().manual_seed(4)
+    for _ in range(4):
+        ids = {k: torch.randint(0, c.num_embeddings, (5, 2), generator=g) for k, c in configs.items()}
+        sum(v.pow(2).sum() for v in ebc(ids).values()).backward()
+        ours.step()
+        ours.zero_grad()
+        for k, bag in plain.items():
+            bag(ids[k]).pow(2).sum().backward()
+            theirs[k].step()
+            theirs[k].zero_grad()
+    for k, bag in plain.items():
+        torch.testing.assert_close(ebc.embedding_bags[k].weight.to_tensor(), bag.weight.detach(), atol=1e-6, rtol=0)
