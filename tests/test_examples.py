@@ -22,3 +22,42 @@ def test_recsys_example_trains_under_torchrun(tmp_path) -> None:
     first, last = map(float, re.search(r"loss (\d\.\d+) -> (\d\.\d+)", out.stdout).groups())
     assert last < first, out.stdout
     assert "rank 0 holds" in out.stdout and (tmp_path / "ck" / "manifest.json").exists()
+
+
+def test_dlrm_example_trains_the_same_model_on_one_two_and_three_processes(tmp_path) -> None:
+    import torch
+
+    import shardvar
+
+    runs = {}
+    for world in (1, 2, 3):
+        script = [
+            str(ROOT / "examples" / "dlrm.py"),
+            "--steps",
+            "12",
+            "--batch",
+            "240",
+            "--save",
+            str(tmp_path / f"w{world}"),
+        ]
+        launcher = (
+            []
+            if world == 1
+            else ["-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port", str(free_port())]
+        )
+        out = subprocess.run(
+            [sys.executable, *launcher, *script],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        runs[world] = re.search(r"loss (\d\.\d+) -> (\d\.\d+)", out.stdout).groups()
+    assert runs[1] == runs[2] == runs[3]
+    names = shardvar.checkpoint.Manifest.read(tmp_path / "w1").variables
+    assert sum(".embedding_bags." in n for n in names) == 26
+    for name in names:
+        one = shardvar.read_shard(tmp_path / "w1", name)
+        for world in (2, 3):
+            torch.testing.assert_close(shardvar.read_shard(tmp_path / f"w{world}", name), one, atol=1e-5, rtol=0)
