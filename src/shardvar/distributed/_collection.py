@@ -12,7 +12,6 @@ a local ``EmbeddingBagCollection`` or plain ``nn.EmbeddingBag``s.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,28 +19,15 @@ from torch import nn
 
 from .._errors import ShardvarTypeError, ShardvarValueError
 from .._validate import check_choice
-from ..layout import Layout, as_ids, check_ids
+from ..layout import Layout
 from ..nn import KeyedJagged, TableConfig
-from ..nn._collection import _as_bags
-from ..variables import RowInitializer
+from ..nn._collection import pack
+from ..variables import RowInitializer, ShardsView
 from ..variables._create import to_layout
 from ._comm import DEFAULT_TIMEOUT, Comm
 from ._module import DistributedEmbeddingBag
 
 __all__ = ["DistributedEmbeddingBagCollection"]
-
-
-@dataclass
-class _TableView:
-    """One table of a group, as the checkpoint sees a sharded object (its layout, this rank's shards)."""
-
-    layout: Layout
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    shards: dict[int, torch.Tensor]
-
-    def local_shards(self) -> dict[int, torch.Tensor]:
-        return dict(self.shards)
 
 
 class _GroupBag(DistributedEmbeddingBag):
@@ -129,7 +115,7 @@ class DistributedEmbeddingBagCollection(nn.Module):
             bag.set_state_dict_form("sharded")  # this rank's shards; tables are saved by the collection
         self.bags = nn.ModuleList(bags)
 
-    def sharded_variables(self) -> dict[str, _TableView]:
+    def sharded_variables(self) -> dict[str, ShardsView]:
         """Each table as one logical variable, named as in ``EmbeddingBagCollection``, in its own layout."""
         out = {}
         for names, bag in zip(self.groups, self.bags, strict=True):
@@ -138,7 +124,7 @@ class DistributedEmbeddingBagCollection(nn.Module):
                 layout = self.layouts[name]
                 mine = {s: local[first + s] for s in range(layout.num_shards) if first + s in local}
                 cfg = self.configs[name]
-                out[f"embedding_bags.{name}.weight"] = _TableView(
+                out[f"embedding_bags.{name}.weight"] = ShardsView(
                     layout, (cfg.num_embeddings, cfg.embedding_dim), bag.store.dtype, mine
                 )
                 first += layout.num_shards
@@ -159,19 +145,8 @@ class DistributedEmbeddingBagCollection(nn.Module):
         offsets, weights = offsets or {}, per_sample_weights or {}
         out: dict[str, torch.Tensor] = {}
         for names, bag in zip(self.groups, self.bags, strict=True):
-            rows, offs, psw, counts, total = [], [], [], [], 0
-            for name in names:
-                ids, off = _as_bags(name, features[name], offsets.get(name))
-                layout = self.layouts[name]
-                check_ids(ids, layout.num_rows)
-                rows.append(self.starts[name] + layout.strategy.storage_rows(layout.sizes, ids))
-                offs.append(off + total)
-                counts.append(off.numel())
-                total += ids.numel()
-                if name in weights:
-                    psw.append(torch.as_tensor(weights[name], dtype=bag.store.dtype).reshape(-1))
-            if psw and len(psw) != len(names):
-                raise ShardvarValueError(f"per_sample_weights must be given for all of tables {names} or none")
-            pooled = bag(torch.cat(rows), as_ids(torch.cat(offs)), per_sample_weights=torch.cat(psw) if psw else None)
-            out.update(zip(names, pooled.split(counts), strict=True))
+            rows, offs, psw, counts = pack(
+                names, self.layouts, self.starts, bag.mode, bag.store.dtype, features, offsets, weights
+            )
+            out.update(zip(names, bag(rows, offs, per_sample_weights=psw).split(counts), strict=True))
         return {n: out[n] for n in features}

@@ -178,35 +178,55 @@ class EmbeddingBagCollection(nn.Module):
                 for n, b in zip(present, bags, strict=True)
             }
         starts = dict(zip(names, _starts(self.embedding_bags, names), strict=True))
-        weighted = [n in weights for n in present]
-        if any(weighted) and (not all(weighted) or bags[0].mode != "sum"):
-            raise ShardvarValueError(
-                f"per_sample_weights go with mode 'sum' and every feature of tables {present} (width "
-                f"{bags[0].embedding_dim}, mode {bags[0].mode!r}); got them for {[n for n in present if n in weights]}"
-            )
-        rows, offs, psw, counts, total = [], [], [], [], 0
-        for n, bag in zip(present, bags, strict=True):
-            ids, off = _as_bags(n, features[n], offsets.get(n))
-            check_ids(ids, bag.num_embeddings)  # valid in the slab is not enough: valid in this table
-            rows.append(starts[n] + bag.layout.strategy.storage_rows(bag.layout.sizes, ids))
-            offs.append(off + total)
-            counts.append(off.numel())
-            total += ids.numel()
-            if n in weights:
-                w = torch.as_tensor(weights[n], dtype=store.dtype).reshape(-1)
-                if w.numel() != ids.numel():
-                    raise ShardvarValueError(f"feature {n!r}: {w.numel()} per_sample_weights for {ids.numel()} ids")
-                psw.append(w)
+        layouts = {n: b.layout for n, b in zip(present, bags, strict=True)}
+        rows, offs, psw, counts = pack(present, layouts, starts, bags[0].mode, store.dtype, features, offsets, weights)
         pooled = F.embedding_bag(
-            torch.cat(rows), slab_weight(store), torch.cat(offs), mode=bags[0].mode, sparse=bags[0].sparse,
-            per_sample_weights=torch.cat(psw) if psw else None,
-        )  # fmt: skip
+            rows, slab_weight(store), offs, mode=bags[0].mode, sparse=bags[0].sparse, per_sample_weights=psw
+        )
         return dict(zip(present, pooled.split(counts), strict=True))
 
     @staticmethod
     def concat(pooled: dict[str, torch.Tensor]) -> torch.Tensor:
         """The bags of every feature side by side, ``[batch, sum of dims]``, in the dict's order."""
         return torch.cat(list(pooled.values()), dim=1)
+
+
+def pack(
+    names: list[str],
+    layouts: dict[str, Any],
+    starts: dict[str, int],
+    mode: str,
+    dtype: torch.dtype,
+    features: dict,
+    offsets: dict,
+    weights: dict,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int]]:
+    """Tables' bags as one: (rows of the shared allocation, offsets, weights or None, bags per table).
+
+    Table ``n``'s id ``i`` is row ``starts[n] + storage_row(i)``; each table's ids are checked
+    against its own rows (valid in the allocation is not enough) and its offsets against its ids.
+    """
+    weighted = [n in weights for n in names]
+    if any(weighted) and (not all(weighted) or mode != "sum"):
+        raise ShardvarValueError(
+            f"per_sample_weights go with mode 'sum' and every feature of tables {names} (mode {mode!r}); "
+            f"got them for {[n for n in names if n in weights]}"
+        )
+    rows, offs, psw, counts, total = [], [], [], [], 0
+    for n in names:
+        ids, off = _as_bags(n, features[n], offsets.get(n))
+        layout = layouts[n]
+        check_ids(ids, layout.num_rows)
+        rows.append(starts[n] + layout.strategy.storage_rows(layout.sizes, ids))
+        offs.append(off + total)
+        counts.append(off.numel())
+        total += ids.numel()
+        if n in weights:
+            w = torch.as_tensor(weights[n], dtype=dtype).reshape(-1)
+            if w.numel() != ids.numel():
+                raise ShardvarValueError(f"feature {n!r}: {w.numel()} per_sample_weights for {ids.numel()} ids")
+            psw.append(w)
+    return torch.cat(rows), torch.cat(offs), torch.cat(psw) if psw else None, counts
 
 
 def _starts(tables: nn.ModuleDict, names: list[str]) -> list[int]:

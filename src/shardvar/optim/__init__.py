@@ -8,7 +8,7 @@ state is saved by ``shardvar.save`` as logical variables in the table's layout, 
 from ._base import TableOptimizer
 from ._fused import FusedHandle, fuse
 from ._optimizers import SGD, Adagrad, Adam, RowWiseAdagrad, RowWiseAdam
-from ._tables import StateVariable, Table, find_tables
+from ._tables import Table, find_tables
 
 __all__ = [
     "SGD",
@@ -16,7 +16,6 @@ __all__ = [
     "Adam",
     "RowWiseAdagrad",
     "RowWiseAdam",
-    "StateVariable",
     "Table",
     "TableOptimizer",
     "find_tables",

@@ -16,7 +16,8 @@ import torch
 
 from .._errors import ShardvarIndexError, ShardvarValueError
 from .._validate import check_number
-from ._tables import StateVariable, Table, find_tables
+from ..variables import ShardsView
+from ._tables import Table, find_tables
 
 __all__ = ["TableOptimizer", "Update"]
 
@@ -106,9 +107,9 @@ class TableOptimizer(torch.optim.Optimizer):
     def tables(self) -> list[Table]:
         return [t for tables in self._groups_tables for t in tables]
 
-    def sharded_variables(self) -> dict[str, StateVariable | torch.Tensor]:
+    def sharded_variables(self) -> dict[str, ShardsView | torch.Tensor]:
         """Every table's state as logical variables (``<table>/<slot>``) and step counts, for checkpoints."""
-        out: dict[str, StateVariable | torch.Tensor] = {}
+        out: dict[str, ShardsView | torch.Tensor] = {}
         for t in self.tables:
             for slot in self.slots:
                 out[f"{t.name}/{slot}"] = t.slot_variable(slot)
@@ -187,7 +188,7 @@ class TableOptimizer(torch.optim.Optimizer):
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         state = {}
         for name, v in self.sharded_variables().items():
-            state[name] = v.clone() if isinstance(v, torch.Tensor) else _logical(v)
+            state[name] = v.clone() if isinstance(v, torch.Tensor) else v.join()
         return {"param_groups": groups, "state": state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -210,7 +211,3 @@ class TableOptimizer(torch.optim.Optimizer):
                     v.shards[s].copy_(part)
         for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
             group.update({k: x for k, x in saved.items() if k != "params"})
-
-
-def _logical(v: StateVariable) -> torch.Tensor:
-    return v.layout.join([v.shards[s] for s in range(v.layout.num_shards)])

@@ -135,22 +135,10 @@ class Adam(TableOptimizer):
             w.addcdiv_(m, v.sqrt().div_(math.sqrt(bc2)).add_(o["eps"]), value=-o["lr"] / bc1)
 
 
-class RowWiseAdam(TableOptimizer):
+class RowWiseAdam(Adam):
     """Adam with the first moment per element and the second per row (mean over the row)."""
 
     slots: ClassVar[dict[str, tuple[bool, str | float]]] = {"exp_avg": (False, 0.0), "exp_avg_sq": (True, 0.0)}
-
-    def __init__(
-        self,
-        params: Any,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-    ) -> None:
-        _check_betas(betas)
-        check_number(eps, "eps", minimum=0)
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
 
     @staticmethod
     def update(w: torch.Tensor, s: dict, g: torch.Tensor, step: int, o: dict, sparse: bool) -> None:

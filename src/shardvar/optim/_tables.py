@@ -17,25 +17,11 @@ import torch
 from torch import nn
 
 from .._errors import ShardvarTypeError, ShardvarValueError
-from ..layout import Layout
 from ..nn import sharded_parameters
-from ..variables import ShardedVariable
+from ..variables import ShardedVariable, ShardsView
 from ..variables._store import ShardStore
 
-__all__ = ["Table", "StateVariable", "find_tables"]
-
-
-@dataclass
-class StateVariable:
-    """One optimizer slot of a table, as the checkpoint sees a sharded object."""
-
-    layout: Layout
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    shards: dict[int, torch.Tensor]
-
-    def local_shards(self) -> dict[int, torch.Tensor]:
-        return dict(self.shards)
+__all__ = ["Table", "find_tables"]
 
 
 @dataclass(eq=False)
@@ -66,7 +52,7 @@ class Table:
             tensors.append(torch.full(shape, fill, dtype=rows.dtype, device=rows.device))
         self.state[slot] = tensors
 
-    def slot_variable(self, slot: str) -> StateVariable:
+    def slot_variable(self, slot: str) -> ShardsView:
         """The slot as a sharded object in the table's layout (views of the state tensors)."""
         store, layout = self.store, self.store.layout
         shards, row_wise = {}, self.state[slot][0].dim() == 1
@@ -79,7 +65,7 @@ class Table:
                 size = layout.sizes[s]
                 shards[s] = state[first : first + step * (size - 1) + 1 : step] if size else state[first:first]
         shape = (layout.num_rows,) if row_wise else tuple(store.shape)
-        return StateVariable(layout, shape, self.state[slot][0].dtype, shards)
+        return ShardsView(layout, shape, self.state[slot][0].dtype, shards)
 
 
 def _plain(name: str, p: torch.Tensor) -> Table:

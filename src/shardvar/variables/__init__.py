@@ -10,8 +10,10 @@ from ._init import RowInitializer
 from ._lookup import embedding_bag, embedding_lookup, embedding_lookup_sparse, safe_embedding_lookup_sparse
 from ._sharded_variable import ShardedVariable
 from ._store import ShardStore
+from ._view import ShardsView
 
 __all__ = [
+    "ShardsView",
     "RowInitializer",
     "ShardStore",
     "ShardedVariable",

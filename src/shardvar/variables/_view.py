@@ -1,0 +1,33 @@
+"""ShardsView: some shards of a logical variable, as the checkpoint reads any sharded object.
+
+A view names a layout, the logical shape and dtype, and the shards this process holds; it is
+what a table optimizer's state slot or a distributed collection's table looks like to
+``shardvar.save`` / ``load`` (which read and fill ``local_shards()`` in place).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..layout import Layout
+
+__all__ = ["ShardsView"]
+
+
+@dataclass
+class ShardsView:
+    """Shards (by index) of a ``shape`` variable laid out by ``layout``; the tensors are shared, not copied."""
+
+    layout: Layout
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    shards: dict[int, torch.Tensor]
+
+    def local_shards(self) -> dict[int, torch.Tensor]:
+        return dict(self.shards)
+
+    def join(self) -> torch.Tensor:
+        """The logical tensor (every shard must be here)."""
+        return self.layout.join([self.shards[s] for s in range(self.layout.num_shards)])
