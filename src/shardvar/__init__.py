@@ -4,7 +4,7 @@ Layers, each importable without the ones above it: ``shardvar.layout`` (pure lay
 ``shardvar.partitioners`` -> ... The public names are re-exported here one by one.
 """
 
-from . import optim
+from . import dynamic, optim
 from ._errors import (
     ShardvarDistributedError,
     ShardvarDTypeError,
@@ -27,6 +27,7 @@ from .checkpoint import (
 )
 from .checkpoint import open_checkpoint as open  # shardvar.open(path), as zarr.open
 from .distributed import DistributedEmbedding, DistributedShardedVariable
+from .dynamic import DynamicEmbedding, DynamicEmbeddingBag
 from .layout import Layout, SlicePlan, ceil_sizes
 from .nn import (
     EmbeddingBagCollection,
@@ -76,6 +77,8 @@ __all__ = [
     "CheckpointIOError",
     "DistributedEmbedding",
     "DistributedShardedVariable",
+    "DynamicEmbedding",
+    "DynamicEmbeddingBag",
     "FixedShardsPartitioner",
     "Layout",
     "MaxSizePartitioner",
@@ -110,6 +113,7 @@ __all__ = [
     "EmbeddingBagCollection",
     "KeyedJagged",
     "TableConfig",
+    "dynamic",
     "optim",
     "RowWiseAdagrad",
     "RowWiseAdam",

@@ -21,7 +21,7 @@ from ._chain import Chain, RowChanges, apply_rows
 from ._manifest import Manifest, VariableEntry
 from ._optim import check_optimizer
 from ._restore import Files, _check_file, _restore, restore_shard, restore_shards, verify_shards
-from ._state import Partial, State, param_names, resolve
+from ._state import Partial, State, notify, param_names, resolve
 from ._write import Coordinator, Progress, agree
 
 __all__ = ["load", "STAGING_BYTES", "lookup"]
@@ -220,3 +220,4 @@ def load(
     finally:
         chain.close()
     _apply_optimizers(state, plans, targets, staged)
+    notify(state_dict, "after_load")

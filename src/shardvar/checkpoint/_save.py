@@ -11,7 +11,7 @@ from .._validate import check_bool, check_int
 from ._async import AsyncSave, stage, start, wait_for_previous
 from ._delta import Delta, delta_entries, find_changes, remember
 from ._optim import optimizer_info, optimizer_state
-from ._state import resolve
+from ._state import notify, resolve
 from ._write import Coordinator, Entry, Progress, agree, check_dtypes, entry_of, write
 
 __all__ = ["save", "AsyncSave"]
@@ -79,6 +79,8 @@ def save(
     coordinator = coordinator or _LOCAL
     key = getattr(coordinator, "key", coordinator)
     wait_for_previous(key)  # one save per coordinator at a time
+    if isinstance(state_dict, dict):
+        notify(state_dict, "before_save")
     entries, extra, delta = _planned(state_dict, directory, delta_of, coordinator)
     if not asynchronous:
         save_id = write(directory, entries, extra, progress, keep_spare, coordinator)

@@ -105,6 +105,21 @@ def resolve(state_dict: dict[str, Any]) -> State:
     return state
 
 
+def notify(state_dict: dict[str, Any], event: str) -> None:
+    """Call ``checkpoint_hook(event)`` on every object of ``state_dict`` (and submodule) that has one.
+
+    ``"before_save"`` runs before anything is resolved, ``"after_load"`` after every value and
+    optimizer state is written (a dynamic table then rebuilds its id index and re-places ids).
+    On every process of a distributed save or load, so a hook may run collectives.
+    """
+    for obj in state_dict.values() if isinstance(state_dict, dict) else ():
+        members = obj.modules() if isinstance(obj, nn.Module) else [obj]
+        for member in members:
+            hook = getattr(member, "checkpoint_hook", None)
+            if callable(hook):
+                hook(event)
+
+
 def param_names(state: State, optimizer: torch.optim.Optimizer) -> list[list[str]]:
     """The name of every parameter of every param group, the one rule for saving and loading.
 

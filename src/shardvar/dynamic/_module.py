@@ -74,7 +74,7 @@ class _DynamicTable(nn.Module):
                 shard.zero_()  # free rows are never read; zeros keep a checkpoint of them deterministic
         self.table = ShardedEmbedding(self.capacity, self.embedding_dim, sparse=self.sparse, _store=store)
         device = next(iter(store.local_shards().values())).device
-        self.slots = SlotTable(layout.sizes, self.num_shards, 0, self.eviction, self.admission, device)
+        self.slots = SlotTable(layout, 0, self.num_shards, self.eviction, self.admission, device)
         row = torch.zeros(self.embedding_dim, dtype=dtype) if default is None else torch.as_tensor(default)
         if tuple(row.shape) != (self.embedding_dim,):
             raise ShardvarValueError(

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from .._errors import ShardvarValueError
+from ..layout import Layout
+from ..variables import ShardsView
 from ._hash import shard_of
 from ._index import HashIndex
 from ._policy import COUNT, KEY, LFU, LRU, SEEN, USED, _stable_order, lowest_per_group
@@ -33,10 +35,12 @@ class SlotTable(nn.Module):
     """Slots of the shards ``first .. first + len(sizes)`` of a table split by id hash into ``num_shards``."""
 
     def __init__(
-        self, sizes: tuple[int, ...], num_shards: int, first: int, eviction: LRU | LFU, admission: Any, device: Any
+        self, layout: Layout, first: int, count: int, eviction: LRU | LFU, admission: Any, device: Any
     ) -> None:
         super().__init__()
-        self.sizes, self.num_shards, self.first = tuple(sizes), num_shards, first
+        self.layout, self.first = layout, first
+        self.sizes, self.num_shards = layout.sizes[first : first + count], layout.num_shards
+        sizes = self.sizes
         self.eviction, self.admission = eviction, admission
         capacity = sum(sizes)
         shard_ids = torch.arange(len(sizes), device=device)
@@ -47,6 +51,12 @@ class SlotTable(nn.Module):
         self.register_buffer("index", HashIndex.allocate(len(sizes), max(sizes, default=0), device), persistent=False)
         self.register_buffer("slot_shard", shard_ids.repeat_interleave(torch.tensor(sizes, device=device)), False)
         self._hash_index: HashIndex | None = None
+
+    def sharded_variables(self) -> dict[str, ShardsView]:
+        """The metadata split like the rows (a delta checkpoint then writes only the slots that changed)."""
+        blocks = self.meta.split(list(self.sizes))
+        shards = {self.first + i: block for i, block in enumerate(blocks)}
+        return {"meta": ShardsView(self.layout, (self.layout.num_rows, 4), torch.int64, shards)}
 
     @property
     def hash_index(self) -> HashIndex:
