@@ -3,12 +3,14 @@
 from ._checkpoint import load, save
 from ._collection import DistributedEmbeddingBagCollection
 from ._comm import DEFAULT_TIMEOUT, Comm
+from ._dynamic import DistributedDynamicEmbedding
 from ._module import DistributedEmbedding, DistributedEmbeddingBag
 from ._variable import DistributedShardedVariable, distributed_store, round_robin
 
 __all__ = [
     "DEFAULT_TIMEOUT",
     "Comm",
+    "DistributedDynamicEmbedding",
     "DistributedEmbedding",
     "DistributedEmbeddingBag",
     "DistributedEmbeddingBagCollection",

@@ -132,6 +132,10 @@ class Comm:
         self._run(dist.all_gather, f"all_gather of {what}", gathered, padded)
         return [pickle.loads(g[: int(s)].cpu().numpy().tobytes()) for g, s in zip(gathered, sizes, strict=True)]
 
+    def all_reduce(self, tensor: torch.Tensor, op: Any, what: str) -> None:
+        self.calls["all_reduce"] += 1
+        self._run(dist.all_reduce, f"all_reduce of {what}", tensor, op=op)
+
     def barrier(self, what: str) -> None:
         self.calls["barrier"] += 1
         flag = torch.zeros(1, device=self.device)

@@ -66,15 +66,8 @@ class _DynamicTable(nn.Module):
         self.sparse, self.auto_step = check_bool(sparse, "sparse"), check_bool(auto_step, "auto_step")
         dtype = dtype or torch.get_default_dtype()
         layout = Layout.div(self.capacity, self.num_shards)
-        store = ShardStore.allocate(
-            layout, (self.capacity, self.embedding_dim), dtype, devices=devices, requires_grad=True
-        )
-        with torch.no_grad():
-            for shard in store.local_shards().values():
-                shard.zero_()  # free rows are never read; zeros keep a checkpoint of them deterministic
-        self.table = ShardedEmbedding(self.capacity, self.embedding_dim, sparse=self.sparse, _store=store)
-        device = next(iter(store.local_shards().values())).device
-        self.slots = SlotTable(layout, 0, self.num_shards, self.eviction, self.admission, device)
+        self.table, self.slots = self._build_rows(layout, dtype, devices)
+        device = self.slots.meta.device
         row = torch.zeros(self.embedding_dim, dtype=dtype) if default is None else torch.as_tensor(default)
         if tuple(row.shape) != (self.embedding_dim,):
             raise ShardvarValueError(
@@ -83,6 +76,17 @@ class _DynamicTable(nn.Module):
         self.register_buffer("default", row.to(device=device, dtype=dtype))
         self._attached: list[tuple[weakref.ref, list[torch.Tensor]]] = []
         self.register_load_state_dict_post_hook(lambda module, _keys: module.checkpoint_hook("after_load"))
+
+    def _build_rows(self, layout: Layout, dtype: torch.dtype, devices: Any) -> tuple[nn.Module, SlotTable]:
+        """The rows (a ShardedEmbedding) and the SlotTable of every shard."""
+        shape = (self.capacity, self.embedding_dim)
+        store = ShardStore.allocate(layout, shape, dtype, devices=devices, requires_grad=True)
+        with torch.no_grad():
+            for shard in store.local_shards().values():
+                shard.zero_()  # free rows are never read; zeros keep a checkpoint of them deterministic
+        table = ShardedEmbedding(self.capacity, self.embedding_dim, sparse=self.sparse, _store=store)
+        device = next(iter(store.local_shards().values())).device
+        return table, SlotTable(layout, 0, self.num_shards, self.eviction, self.admission, device)
 
     @property
     def store(self) -> ShardStore:
