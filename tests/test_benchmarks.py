@@ -17,6 +17,7 @@ BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
         ("bench_checkpoint_production.py", ["async blocked / sync", "delta size / full size"]),
         ("bench_paths.py", ["user's shards, 1024 mod", "ShardedEmbeddingBag forward+backward, max", "sparse SGD"]),
         ("bench_collection.py", ["all_to_all calls per step", "collection step vs 26 ShardedEmbeddingBags"]),
+        ("bench_dynamic.py", ["lookup, dim 16", "insert", "memory per row of capacity"]),
         ("bench_optim.py", ["RowWiseAdagrad vs SparseAdam", "RowWiseAdagrad state / table", "peak of 3 steps"]),
     ],
 )

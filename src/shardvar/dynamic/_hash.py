@@ -27,7 +27,6 @@ def _signed(c: int) -> int:
 
 GOLDEN = _signed(0x9E3779B97F4A7C15)
 _M1, _M2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
-SHARD_SALT = _signed(0xD6E8FEB86659FD93)  # shards and buckets read independent hashes of one id
 
 
 def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
@@ -75,9 +74,12 @@ def as_keys(ids: Any, device: torch.device | str | None = None) -> torch.Tensor:
     return hash_strings(flat).reshape(shape).to(device)
 
 
-def shard_of(keys: torch.Tensor, num_shards: int) -> torch.Tensor:
-    """The shard (or rank) that owns each key: a hash independent of the bucket hash."""
-    return _shr(mix64(keys ^ SHARD_SALT), 1) % num_shards
+def shard_of(keys: torch.Tensor, num_shards: int, hashes: torch.Tensor | None = None) -> torch.Tensor:
+    """The shard (or rank) that owns each key: the high 31 bits of ``mix64(key)`` modulo the count.
+
+    The hash index uses the low bits of the same hash for the bucket, so the two are independent.
+    """
+    return _shr(mix64(keys) if hashes is None else hashes, 33) % num_shards
 
 
 def uniform01(h: torch.Tensor) -> torch.Tensor:
@@ -88,8 +90,9 @@ def uniform01(h: torch.Tensor) -> torch.Tensor:
 class IdInitializer:
     """A row made from the id alone: ``normal`` (mean 0, ``std``) or ``uniform`` (in ``[-bound, bound]``).
 
-    Column ``2p`` and ``2p + 1`` come from the p-th pair of a splitmix64 stream seeded by the id
-    and ``seed`` (Box-Muller for normal). The default, normal with std 1, is nn.Embedding's.
+    Columns ``2p`` and ``2p + 1`` come from the two 32-bit halves of the p-th output of a splitmix64
+    stream seeded by the id and ``seed`` (Box-Muller for normal). The default, normal with std 1,
+    is nn.Embedding's.
     """
 
     def __init__(self, kind: str = "normal", *, std: float = 1.0, bound: float = 0.05, seed: int = 0) -> None:
@@ -101,13 +104,14 @@ class IdInitializer:
     def __call__(self, keys: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
         base = mix64(keys.reshape(-1, 1) ^ mix64(torch.tensor(self.seed, device=keys.device)))
         pairs = (dim + 1) // 2
-        counter = torch.arange(2 * pairs, device=keys.device, dtype=torch.int64) * GOLDEN
-        u = uniform01(mix64(base + counter)).view(-1, pairs, 2)
+        h = mix64(base + torch.arange(pairs, device=keys.device, dtype=torch.int64) * GOLDEN)
+        high = (_shr(h, 32) + 1).to(torch.float64) * 2.0**-32  # in (0, 1]: the log below stays finite
+        low = (h & 0xFFFFFFFF).to(torch.float64) * 2.0**-32  # in [0, 1)
         if self.kind == "uniform":
-            out = (u * 2 - 1).reshape(-1, 2 * pairs) * self.bound
+            out = torch.stack((high, low), -1).reshape(-1, 2 * pairs) * (2 * self.bound) - self.bound
         else:
-            radius = torch.sqrt(-2.0 * torch.log(u[..., 0])) * self.std
-            angle = 2 * math.pi * u[..., 1]
+            radius = torch.sqrt(-2.0 * torch.log(high)) * self.std
+            angle = 2 * math.pi * low
             out = torch.stack((radius * torch.cos(angle), radius * torch.sin(angle)), -1).reshape(-1, 2 * pairs)
         return out[:, :dim].to(dtype)
 

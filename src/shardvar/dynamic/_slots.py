@@ -17,7 +17,7 @@ from torch import nn
 from .._errors import ShardvarValueError
 from ..layout import Layout
 from ..variables import ShardsView
-from ._hash import shard_of
+from ._hash import mix64, shard_of
 from ._index import HashIndex
 from ._policy import COUNT, KEY, LFU, LRU, SEEN, USED, _stable_order, lowest_per_group
 
@@ -64,8 +64,8 @@ class SlotTable(nn.Module):
             self._hash_index = HashIndex(self.index, len(self.sizes))
         return self._hash_index
 
-    def local_shard(self, keys: torch.Tensor) -> torch.Tensor:
-        shards = shard_of(keys, self.num_shards) - self.first
+    def local_shard(self, keys: torch.Tensor, hashes: torch.Tensor | None = None) -> torch.Tensor:
+        shards = shard_of(keys, self.num_shards, hashes) - self.first
         if len(self.sizes) != self.num_shards and bool(((shards < 0) | (shards >= len(self.sizes))).any()):
             raise ShardvarValueError(f"keys reached shards {self.first}.. they are not placed in")
         return shards
@@ -75,7 +75,11 @@ class SlotTable(nn.Module):
 
     def find(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Slot (-1 if absent) and bucket of each key."""
-        return self.hash_index.find(keys, self.local_shard(keys), self.meta[:, KEY])
+        return self.hash_index.find(keys, self.home(keys))
+
+    def home(self, keys: torch.Tensor) -> torch.Tensor:
+        hashes = mix64(keys)
+        return self.hash_index.start(hashes, self.local_shard(keys, hashes))
 
     def remove(self, slots: torch.Tensor) -> torch.Tensor:
         """Give up these (held) slots; returns their ids."""
@@ -90,7 +94,7 @@ class SlotTable(nn.Module):
     def rebuild_index(self) -> None:
         slots = self.held()
         keys = self.meta[slots, KEY]
-        self.hash_index.rebuild(keys, self.local_shard(keys), slots)
+        self.hash_index.rebuild(keys, self.home(keys), slots)
 
     def expire(self) -> torch.Tensor:
         """TTL: give up the rows not seen for more than ``ttl`` steps; returns their ids."""
@@ -132,7 +136,7 @@ class SlotTable(nn.Module):
         self.meta[new_slots] = torch.stack(
             (new_keys, torch.full_like(new_keys, step), occurrences[ok], torch.ones_like(new_keys)), 1
         )
-        self.hash_index.insert(new_keys, self.local_shard(new_keys), new_slots)
+        self.hash_index.insert(new_keys, self.home(new_keys), new_slots)
         slot[miss] = placed[inverse]
         return slot, new_slots, new_keys
 
