@@ -241,17 +241,16 @@ class ShardStore:
             return {s: _sparse(rows, values, self.layout.sizes[s])}
         if group.steps[0] > 1:  # interleaved: row r is shard r % n's row r // n
             member, local = rows.remainder(group.steps[0]), rows.div(group.steps[0], rounding_mode="floor")
-            order = torch.argsort(member)
-            counts = torch.bincount(member, minlength=len(group.members)).tolist()
-            local = local.index_select(0, order)
         else:
-            # Sorting the slab rows puts each member's rows together (members are consecutive):
-            # the boundaries are then n binary searches, not one per row.
             starts = torch.tensor(group.starts, dtype=torch.int64, device=rows.device)
-            rows, order = torch.sort(rows)
-            sizes = torch.diff(torch.searchsorted(rows, torch.cat([starts, starts.new_tensor([group.rows])])))
-            local = rows - starts.repeat_interleave(sizes)
-            counts = sizes.tolist()
+            member = torch.bucketize(rows, starts[1:], right=True)
+            local = rows - starts.index_select(0, member)
+        # A stable sort of the member index, in the narrowest dtype that holds it: torch sorts
+        # small integer keys by radix, several times faster than sorting the rows themselves.
+        narrow = torch.uint8 if len(group.members) <= 256 else torch.int32
+        order = torch.argsort(member.to(narrow), stable=True)
+        counts = torch.bincount(member, minlength=len(group.members)).tolist()
+        local = local.index_select(0, order)
         # One reorder of the values, then views: a gather per member would read the values once
         # per shard's call, and this runs on every sparse backward.
         values = values.index_select(0, order)
