@@ -216,3 +216,16 @@ def test_double_and_load_state_dict_keep_ids() -> None:
     other.load_state_dict(emb.state_dict())
     assert torch.equal(other(ids), out)
     assert torch.equal(emb.double()(ids), out.double())
+
+
+def test_deepcopy_and_pickle_keep_ids_and_drop_optimizer_attachment(tmp_path) -> None:
+    import copy
+
+    emb = DynamicEmbedding(4, 16, 2)
+    ids = torch.tensor([5, 6, 7])
+    emb.attach_optimizer(torch.optim.SGD(emb.parameters(), lr=0.1))
+    out = emb(ids)
+    torch.save(emb, tmp_path / "m.pt")
+    for other in (copy.deepcopy(emb), torch.load(tmp_path / "m.pt", weights_only=False)):
+        assert other._attached == [] and torch.equal(other.eval()(ids), out)
+        assert not other.contains(torch.tensor([8])).any()

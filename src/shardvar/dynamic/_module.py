@@ -37,6 +37,10 @@ def _check_admission(admission: Any) -> Any:
     raise ShardvarTypeError(f"admission must be None, CountAdmission(k) or ProbabilityAdmission(p); got {admission!r}")
 
 
+def _after_load_state_dict(module: nn.Module, _keys: Any) -> None:
+    module.checkpoint_hook("after_load")  # torch's load_state_dict: rebuild the index, re-place ids
+
+
 class _DynamicTable(nn.Module):
     def __init__(
         self,
@@ -75,7 +79,12 @@ class _DynamicTable(nn.Module):
             )
         self.register_buffer("default", row.to(device=device, dtype=dtype))
         self._attached: list[tuple[weakref.ref, list[torch.Tensor]]] = []
-        self.register_load_state_dict_post_hook(lambda module, _keys: module.checkpoint_hook("after_load"))
+        self.register_load_state_dict_post_hook(_after_load_state_dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_attached"] = []  # a copy or a pickle is attached to no optimizer (attach it again)
+        return state
 
     def _build_rows(self, layout: Layout, dtype: torch.dtype, devices: Any) -> tuple[nn.Module, SlotTable]:
         """The rows (a ShardedEmbedding) and the SlotTable of every shard."""
