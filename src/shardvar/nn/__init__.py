@@ -1,12 +1,15 @@
 """nn.Modules over sharded tables, and any module's parameters stored as shards."""
 
 from ._collection import EmbeddingBagCollection, KeyedJagged, TableConfig
+from ._collection_modules import EmbeddingBagDict, EmbeddingBagList
 from ._embedding import ShardedEmbedding, ShardedEmbeddingBag
 from ._linear import ShardedLinear
 from ._parameter import ShardsParametrization, set_state_dict_form, shard_parameter, sharded_parameters
 
 __all__ = [
     "EmbeddingBagCollection",
+    "EmbeddingBagDict",
+    "EmbeddingBagList",
     "KeyedJagged",
     "TableConfig",
     "ShardedEmbedding",

@@ -11,6 +11,7 @@ looked up table by table.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,25 +116,7 @@ class EmbeddingBagCollection(nn.Module):
                 for name, cfg in tables.items()
             }
         )
-        self._groups = self._batch_tables()
-
-    def _batch_tables(self) -> list[tuple[list[str], ShardedVariable]]:
-        """Move the shards of the tables of each (width, mode, dtype) into one allocation."""
-        by_kind: dict[tuple, list[str]] = {}
-        for name, bag in self.embedding_bags.items():
-            by_kind.setdefault((bag.embedding_dim, bag.mode, bag.store.dtype), []).append(name)
-        groups = []
-        for (dim, _, dtype), names in by_kind.items():
-            shards = [p for n in names for p in self.embedding_bags[n].shards]
-            slab = torch.empty(sum(p.shape[0] for p in shards), dim, dtype=dtype)
-            start = 0
-            with torch.no_grad():
-                for p in shards:
-                    slab[start : start + p.shape[0]].copy_(p)
-                    p.set_(slab.untyped_storage(), start * dim, p.shape, p.stride())
-                    start += p.shape[0]
-            groups.append((names, ShardedVariable(shards)))
-        return groups
+        self._groups = batch_tables(self.embedding_bags)
 
     def forward(
         self,
@@ -142,53 +125,101 @@ class EmbeddingBagCollection(nn.Module):
         per_sample_weights: dict[str, Any] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Bags per feature: ``{name: [bags, dim]}`` (``concat`` joins them for the dense layers)."""
-        if isinstance(features, KeyedJagged):
-            if offsets is not None or per_sample_weights is not None:
-                raise ShardvarValueError("a KeyedJagged carries its own lengths and weights")
-            features, offsets, per_sample_weights = features.split()
-        if not isinstance(features, dict):
-            raise ShardvarTypeError(
-                f"features must be a dict of name -> ids, or a KeyedJagged; got {type(features).__name__}"
-            )
-        unknown = sorted(set(features) - set(self.embedding_bags))
-        if unknown:
-            raise ShardvarValueError(f"no table named {unknown}; the tables are {list(self.embedding_bags)}")
-        offsets, weights = offsets or {}, per_sample_weights or {}
-        out: dict[str, torch.Tensor] = {}
-        for names, variable in self._groups:
-            present = [n for n in names if n in features]
-            if present:
-                out.update(self._lookup_group(present, names, variable, features, offsets, weights))
-        return {n: out[n] for n in features}
-
-    def _lookup_group(
-        self,
-        present: list[str],
-        names: list[str],
-        variable: ShardedVariable,
-        features: dict,
-        offsets: dict,
-        weights: dict,
-    ) -> dict[str, torch.Tensor]:
-        bags = [self.embedding_bags[n] for n in present]
-        store = variable.store
-        if store.full_slab is None:  # a table's shards moved: look the tables up one by one
-            return {
-                n: b(*_as_bags(n, features[n], offsets.get(n)), per_sample_weights=weights.get(n))
-                for n, b in zip(present, bags, strict=True)
-            }
-        starts = dict(zip(names, _starts(self.embedding_bags, names), strict=True))
-        layouts = {n: b.layout for n, b in zip(present, bags, strict=True)}
-        rows, offs, psw, counts = pack(present, layouts, starts, bags[0].mode, store.dtype, features, offsets, weights)
-        pooled = F.embedding_bag(
-            rows, slab_weight(store), offs, mode=bags[0].mode, sparse=bags[0].sparse, per_sample_weights=psw
-        )
-        return dict(zip(present, pooled.split(counts), strict=True))
+        return lookup_tables(self.embedding_bags, self._groups, features, offsets, per_sample_weights)
 
     @staticmethod
     def concat(pooled: dict[str, torch.Tensor]) -> torch.Tensor:
         """The bags of every feature side by side, ``[batch, sum of dims]``, in the dict's order."""
         return torch.cat(list(pooled.values()), dim=1)
+
+
+def _batchable(bag: ShardedEmbeddingBag) -> bool:
+    """Looked up with other tables in one kernel: no option that needs the table's own call."""
+    plain = bag.padding_idx is None and bag.max_norm is None and not bag.scale_grad_by_freq
+    return plain and not bag.include_last_offset and bag.layout.axis == 0
+
+
+def batch_tables(bags: Mapping[str, ShardedEmbeddingBag]) -> list[tuple[list[str], ShardedVariable | None]]:
+    """Move the shards of the tables of each (width, mode, dtype, sparse) into one allocation.
+
+    Tables with an option only their own call applies (padding_idx, max_norm, ...) stay apart
+    (group variable None) and are looked up by their own forward.
+    """
+    by_kind: dict[tuple, list[str]] = {}
+    groups: list[tuple[list[str], ShardedVariable | None]] = []
+    for name, bag in bags.items():
+        if not _batchable(bag):
+            groups.append(([name], None))
+            continue
+        by_kind.setdefault((bag.embedding_dim, bag.mode, bag.store.dtype, bag.sparse), []).append(name)
+    for (dim, _, dtype, _), names in by_kind.items():
+        shards = [p for n in names for p in bags[n].shards]
+        device = shards[0].device
+        if any(p.device != device for p in shards):
+            groups += [([n], None) for n in names]  # tables on several devices: one by one
+            continue
+        slab = torch.empty(sum(p.shape[0] for p in shards), dim, dtype=dtype, device=device)
+        start = 0
+        with torch.no_grad():
+            for p in shards:
+                slab[start : start + p.shape[0]].copy_(p)
+                p.set_(slab.untyped_storage(), start * dim, p.shape, p.stride())
+                start += p.shape[0]
+        groups.append((names, ShardedVariable(shards)))
+    return groups
+
+
+def lookup_tables(
+    bags: Mapping[str, ShardedEmbeddingBag],
+    groups: list[tuple[list[str], ShardedVariable | None]],
+    features: Any,
+    offsets: dict[str, Any] | None,
+    per_sample_weights: dict[str, Any] | None,
+) -> dict[str, torch.Tensor]:
+    """Bags of each feature, one kernel per group of :func:`batch_tables`; everything checked first."""
+    if isinstance(features, KeyedJagged):
+        if offsets is not None or per_sample_weights is not None:
+            raise ShardvarValueError("a KeyedJagged carries its own lengths and weights")
+        features, offsets, per_sample_weights = features.split()
+    if not isinstance(features, dict):
+        raise ShardvarTypeError(
+            f"features must be a dict of name -> ids, or a KeyedJagged; got {type(features).__name__}"
+        )
+    unknown = sorted(set(features) - set(bags), key=str)
+    if unknown:
+        raise ShardvarValueError(f"no table named {unknown}; the tables are {list(bags)}")
+    offsets, weights = offsets or {}, per_sample_weights or {}
+    out: dict[str, torch.Tensor] = {}
+    for names, variable in groups:
+        present = [n for n in names if n in features]
+        if present:
+            out.update(_lookup_group(bags, present, names, variable, features, offsets, weights))
+    return {n: out[n] for n in features}
+
+
+def _lookup_group(
+    tables: Mapping[str, ShardedEmbeddingBag],
+    present: list[str],
+    names: list[str],
+    variable: ShardedVariable | None,
+    features: dict,
+    offsets: dict,
+    weights: dict,
+) -> dict[str, torch.Tensor]:
+    bags = [tables[n] for n in present]
+    store = variable.store if variable is not None else None
+    if store is None or store.full_slab is None:  # a table apart, or its shards moved: one by one
+        return {
+            n: b(*_as_bags(n, features[n], offsets.get(n)), per_sample_weights=weights.get(n))
+            for n, b in zip(present, bags, strict=True)
+        }
+    starts = dict(zip(names, _starts(tables, names), strict=True))
+    layouts = {n: b.layout for n, b in zip(present, bags, strict=True)}
+    rows, offs, psw, counts = pack(present, layouts, starts, bags[0].mode, store.dtype, features, offsets, weights)
+    pooled = F.embedding_bag(
+        rows, slab_weight(store), offs, mode=bags[0].mode, sparse=bags[0].sparse, per_sample_weights=psw
+    )
+    return dict(zip(present, pooled.split(counts), strict=True))
 
 
 def pack(
@@ -229,7 +260,7 @@ def pack(
     return torch.cat(rows), torch.cat(offs), torch.cat(psw) if psw else None, counts
 
 
-def _starts(tables: nn.ModuleDict, names: list[str]) -> list[int]:
+def _starts(tables: Mapping[str, ShardedEmbeddingBag], names: list[str]) -> list[int]:
     out, start = [], 0
     for n in names:
         out.append(start)

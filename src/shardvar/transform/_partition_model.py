@@ -22,7 +22,15 @@ from torch.nn.utils import parametrize
 
 from .._errors import ShardvarError, ShardvarTypeError, ShardvarValueError
 from ..layout import Layout
-from ..nn import ShardedEmbedding, ShardedEmbeddingBag, ShardedLinear, ShardsParametrization, shard_parameter
+from ..nn import (
+    EmbeddingBagDict,
+    EmbeddingBagList,
+    ShardedEmbedding,
+    ShardedEmbeddingBag,
+    ShardedLinear,
+    ShardsParametrization,
+    shard_parameter,
+)
 from ..variables import ShardedVariable, ShardStore
 from ._spec import PartitionSpec, as_spec
 
@@ -171,8 +179,15 @@ def partition_model(
     module: nn.Module,
     strategy: Mapping[str, Any] | Any,
     devices: Sequence[torch.device | str] | None = None,
+    *,
+    collections: Sequence[str] = (),
 ) -> ModelPartition:
     """Partition the parameters ``strategy`` names (exact names or glob patterns), in place.
+
+    ``collections`` names submodules that are lists or dicts of ``nn.EmbeddingBag`` (DLRM's
+    ``emb_l``): each becomes an ``EmbeddingBagList`` / ``EmbeddingBagDict`` of sharded bags (tables
+    the strategy does not name get one shard), which the model still indexes as before and which,
+    called with every table's ids, looks them all up in one kernel per group of alike tables.
 
     ``strategy`` maps names to a partitioner, PartitionerConfig, "1,4,1" string, shard count,
     Layout or PartitionSpec; or it is a :class:`~shardvar.Plan`, whose placement is then used.
@@ -188,7 +203,11 @@ def partition_model(
     if hasattr(strategy, "strategy") and hasattr(strategy, "placement"):
         placement = dict(strategy.placement)
         strategy = strategy.strategy
+    containers = _collection_containers(module, collections)
     plans = _plans(module, strategy)
+    named = {n for p in plans for n in p.users}
+    rest = [f"{c}.{k}.weight" for c, bags in containers.items() for k in _keys(bags) if f"{c}.{k}.weight" not in named]
+    plans += _plans(module, dict.fromkeys(rest, 1)) if rest else []
     stores = []
     for plan in plans:  # every shard allocated before anything is swapped
         shard_devices = placement.get(plan.named[0]) or (
@@ -209,9 +228,44 @@ def partition_model(
         record.users = plan.users
         for name in plan.named:
             result.parameters[name] = record
+    for name, bags in containers.items():
+        parent, attr = _owner(module, name)
+        tables = {k: getattr(bags, k) if isinstance(bags, nn.ModuleDict) else bags[int(k)] for k in _keys(bags)}
+        setattr(
+            parent,
+            attr,
+            EmbeddingBagDict(tables) if isinstance(bags, nn.ModuleDict) else EmbeddingBagList(list(tables.values())),
+        )
     if plans:
         _guard(module)
     return result
+
+
+def _keys(bags: nn.Module) -> list[str]:
+    return list(bags.keys()) if isinstance(bags, nn.ModuleDict) else [str(i) for i in range(len(bags))]
+
+
+def _collection_containers(module: nn.Module, names: Sequence[str]) -> dict[str, nn.Module]:
+    """The named lists / dicts of embedding bags, checked before anything changes."""
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ShardvarTypeError(f"collections must be a list of submodule names; got {names!r}")
+    out, problems = {}, []
+    for name in names:
+        try:
+            bags = module.get_submodule(name)
+        except AttributeError:
+            problems.append(f"{name}: no such submodule")
+            continue
+        if not isinstance(bags, (nn.ModuleList, nn.ModuleDict)) or not len(bags):
+            problems.append(f"{name}: a {type(bags).__name__}, not a non-empty nn.ModuleList or nn.ModuleDict")
+            continue
+        wrong = [k for k in _keys(bags) if not isinstance(bags.get_submodule(k), nn.EmbeddingBag)]
+        if wrong:
+            problems.append(f"{name}: entries {wrong} are not nn.EmbeddingBag")
+        out[name] = bags
+    if problems:
+        raise ShardvarValueError("cannot make these collections:\n  " + "\n  ".join(problems))
+    return out
 
 
 # Model methods that rebuild or re-tie parameters (HuggingFace's) cannot act on shards: resizing would
