@@ -15,8 +15,10 @@ TABLES = {
     "c": TableConfig(11, 4),
     "d": TableConfig(9, 6, 2, "div"),
     "e": TableConfig(7, 4),
+    "f": TableConfig(5, 4),
+    "g": TableConfig(6, 6),
 }
-PLACEMENT = {"c": "table", "e": 1}
+PLACEMENT = {"c": "table", "e": 1, "f": "replicate", "g": "replicate"}
 
 
 def batch(rank: int, step: int) -> dict[str, torch.Tensor]:
@@ -46,3 +48,25 @@ def train_collection(rank: int, world: int, path: str) -> dict:
     before = all_to_alls(lone)
     lone(torch.tensor([[1, 2]])).sum().backward()
     return {"per_step": per_step, "one_table": all_to_alls(lone) - before, "groups": len(ebc.groups)}
+
+
+SPARSE_TABLES = {"r": TableConfig(8, 4), "a": TableConfig(30, 4, 3, "mod")}
+
+
+def train_sparse_replicated(rank: int, world: int, path: str) -> dict:
+    ebc = DistributedEmbeddingBagCollection(
+        SPARSE_TABLES, placement={"r": "replicate"}, sparse=True, initializer=RowInitializer(5)
+    )
+    shardvar.distributed.save({"model": ebc}, f"{path}/init")
+    opt = torch.optim.SparseAdam(list(ebc.parameters()), lr=0.05)
+    for step in range(4):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        feats = {
+            k: torch.randint(0, c.num_embeddings // (1 + rank), (3, 2), generator=g) for k, c in SPARSE_TABLES.items()
+        }
+        out = ebc(feats)
+        sum(v.pow(2).sum() for v in out.values()).backward()
+        opt.step()
+        opt.zero_grad()
+    shardvar.distributed.save({"model": ebc}, f"{path}/final")
+    return {"replica": ebc.embedding_bags["r"].weight.detach().clone()}

@@ -183,3 +183,28 @@ def test_a_collection_of_tables_trains_as_one_process_in_one_exchange_per_group(
     )
     shardvar.load({"model": local}, tmp_path / "final")  # the local collection names its tables alike
     torch.testing.assert_close(local.embedding_bags["d"].weight.to_tensor(), plain["d"].weight, atol=1e-5, rtol=0)
+
+
+def test_replicated_tables_with_sparse_gradients_train_as_one_process(tmp_path) -> None:
+    from dist_collection_workers import SPARSE_TABLES
+
+    results = run_ranks(2, "dist_collection_workers:train_sparse_replicated", tmp_path / "w", path=str(tmp_path))
+    assert torch.equal(results[0]["replica"], results[1]["replica"])  # the copies stay identical
+    plain = nn.ModuleDict(
+        {k: nn.EmbeddingBag(c.num_embeddings, c.embedding_dim, sparse=True) for k, c in SPARSE_TABLES.items()}
+    )
+    shardvar.load({"model": nn.ModuleDict({"embedding_bags": plain})}, tmp_path / "init")
+    opt = torch.optim.SparseAdam(list(plain.parameters()), lr=0.05)
+    for step in range(4):
+        loss = 0
+        for rank in range(2):  # rank 1 reads only the first half of each table: rows touched by one rank
+            g = torch.Generator().manual_seed(100 * step + rank)
+            feats = {
+                k: torch.randint(0, c.num_embeddings // (1 + rank), (3, 2), generator=g)
+                for k, c in SPARSE_TABLES.items()
+            }
+            loss = loss + sum(plain[k](ids).pow(2).sum() for k, ids in feats.items())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    torch.testing.assert_close(results[0]["replica"], plain["r"].weight.detach(), atol=1e-5, rtol=0)

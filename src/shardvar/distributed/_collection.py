@@ -26,6 +26,7 @@ from ..variables import RowInitializer, ShardsView
 from ..variables._create import to_layout
 from ._comm import DEFAULT_TIMEOUT, Comm
 from ._module import DistributedEmbeddingBag
+from ._replicas import Replicas
 
 __all__ = ["DistributedEmbeddingBagCollection"]
 
@@ -48,7 +49,7 @@ def _ranks(spec: Any, layout: Layout, index: int, world: int, name: str) -> list
     if isinstance(spec, int) and not isinstance(spec, bool) and 0 <= spec < world:
         return [spec] * layout.num_shards
     raise ShardvarValueError(
-        f"placement of table {name!r} must be 'row', 'table' or a rank in [0, {world}); got {spec!r}"
+        f"placement of table {name!r} must be 'row', 'table', 'replicate' or a rank in [0, {world}); got {spec!r}"
     )
 
 
@@ -82,6 +83,10 @@ class DistributedEmbeddingBagCollection(nn.Module):
         self.configs = dict(tables)
         self.layouts: dict[str, Layout] = {}
         by_kind: dict[tuple[int, str], list[str]] = {}
+        replicated = {n: c for n, c in tables.items() if placement.get(n) == "replicate"}
+        tables = {n: c for n, c in tables.items() if n not in replicated}
+        self.replicas = Replicas(replicated, sparse, initializer or RowInitializer(), Comm(group, timeout))
+        self.embedding_bags = self.replicas.embedding_bags  # the replicated tables' parameters
         for name, cfg in tables.items():
             spec = placement.get(name, "row")
             count = 1 if spec != "row" else cfg.partitioner
@@ -139,11 +144,11 @@ class DistributedEmbeddingBagCollection(nn.Module):
         """Bags per table. Collective: every rank calls it, with a feature for every table."""
         if isinstance(features, KeyedJagged):
             features, offsets, per_sample_weights = features.split()
-        if not isinstance(features, dict) or set(features) != set(self.configs):
+        if not isinstance(features, dict) or set(features) != set(self.configs) | set(self.replicas.configs):
             got = sorted(features) if isinstance(features, dict) else type(features).__name__
             raise ShardvarValueError(f"every rank gives a feature for every table {sorted(self.configs)}; got {got}")
         offsets, weights = offsets or {}, per_sample_weights or {}
-        out: dict[str, torch.Tensor] = {}
+        out: dict[str, torch.Tensor] = self.replicas(features, offsets, weights)
         for names, bag in zip(self.groups, self.bags, strict=True):
             rows, offs, psw, counts = pack(
                 names, self.layouts, self.starts, bag.mode, bag.store.dtype, features, offsets, weights

@@ -1,0 +1,90 @@
+"""Replicated tables of a distributed collection: small tables kept whole on every rank (data parallel).
+
+Each rank looks its ids up in its own copy, with no exchange; in backward the gradient of every
+replicated table of a (width, mode) group is summed over the ranks in one ``all_reduce`` (the
+tables share one allocation), so the copies stay identical and equal one process trained on
+every rank's loss, as the row-wise tables do. A sparse gradient is summed densely with a column
+marking the rows any rank touched, then made sparse again over exactly those rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..layout import Layout
+from ..nn import TableConfig
+from ..nn._collection import pack
+from ..variables import RowInitializer, ShardedVariable
+from ..variables._functional import slab_weight
+from ._comm import Comm
+
+__all__ = ["Replicas"]
+
+
+class _SummedGrad(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the ranks (dense, or sparse over the touched rows)."""
+
+    @staticmethod
+    def forward(weight: torch.Tensor, comm: Comm) -> torch.Tensor:
+        return weight.view_as(weight)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.comm = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        comm: Comm = ctx.comm
+        if grad.layout != torch.sparse_coo:
+            summed = grad.contiguous().clone()
+            comm.all_reduce(summed, dist.ReduceOp.SUM, "replicated tables' gradient")
+            return summed, None
+        rows, width = grad.shape
+        packed = torch.zeros(rows, width + 1, dtype=grad.dtype, device=grad.device)
+        packed.index_add_(0, grad._indices()[0], torch.cat([grad._values(), torch.ones_like(grad._values()[:, :1])], 1))
+        comm.all_reduce(packed, dist.ReduceOp.SUM, "replicated tables' gradient")
+        touched = packed[:, width].nonzero().squeeze(1)
+        values = packed.index_select(0, touched)[:, :width]
+        return torch.sparse_coo_tensor(touched.unsqueeze(0), values, (rows, width), check_invariants=False), None
+
+
+class _Table(nn.Module):
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+
+
+class Replicas:
+    """The replicated tables of a collection; the collection registers ``embedding_bags`` (its state
+    dict then names them ``embedding_bags.<name>.weight``, as the other tables are named)."""
+
+    def __init__(self, tables: dict[str, TableConfig], sparse: bool, init: RowInitializer, comm: Comm) -> None:
+        self.configs, self.sparse, self.comm = dict(tables), sparse, comm
+        self.embedding_bags = nn.ModuleDict(
+            {
+                n: _Table(init.rows(torch.arange(c.num_embeddings), (c.embedding_dim,), torch.float32))
+                for n, c in tables.items()
+            }
+        )
+        by_kind: dict[tuple[int, str], list[str]] = {}
+        for n, c in tables.items():
+            by_kind.setdefault((c.embedding_dim, c.mode), []).append(n)
+        self.groups = list(by_kind.values())
+        self._variables = [ShardedVariable([self.embedding_bags[n].weight for n in names]) for names in self.groups]
+
+    def __call__(self, features: dict, offsets: dict, weights: dict) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for names, variable in zip(self.groups, self._variables, strict=True):
+            store, mode = variable.store, self.configs[names[0]].mode
+            layouts = {n: Layout.div(self.configs[n].num_embeddings, 1) for n in names}
+            starts = dict(zip(names, store.layout.offsets, strict=False))
+            rows, offs, psw, counts = pack(names, layouts, starts, mode, store.dtype, features, offsets, weights)
+            weight = _SummedGrad.apply(slab_weight(store), self.comm)
+            pooled = F.embedding_bag(rows, weight, offs, mode=mode, sparse=self.sparse, per_sample_weights=psw)
+            out.update(zip(names, pooled.split(counts), strict=True))
+        return out
