@@ -70,3 +70,13 @@ def train_sparse_replicated(rank: int, world: int, path: str) -> dict:
         opt.zero_grad()
     shardvar.distributed.save({"model": ebc}, f"{path}/final")
     return {"replica": ebc.embedding_bags["r"].weight.detach().clone()}
+
+
+def auto_placement(rank: int, world: int) -> dict:
+    ebc = DistributedEmbeddingBagCollection(TABLES, placement="auto")
+    out = ebc(batch(rank, 0))
+    return {
+        "groups": len(ebc.groups),
+        "replicated": sorted(ebc.replicas.configs),
+        "shapes": {k: tuple(v.shape) for k, v in out.items()},
+    }

@@ -65,7 +65,9 @@ def test_inspect_shows_a_delta_chain_and_compact_folds_it(tmp_path, capsys) -> N
     t = torch.randn(100, 4)
     shardvar.save({"emb": shardvar.shard_tensor(t, shardvar.Layout.mod(100, 4))}, tmp_path / "base")
     t[[3, 50]] += 1
-    shardvar.save({"emb": shardvar.shard_tensor(t, shardvar.Layout.mod(100, 4))}, tmp_path / "d1", delta_of=tmp_path / "base")
+    shardvar.save(
+        {"emb": shardvar.shard_tensor(t, shardvar.Layout.mod(100, 4))}, tmp_path / "d1", delta_of=tmp_path / "base"
+    )
     assert main(["inspect", str(tmp_path / "d1")]) == 0
     out = capsys.readouterr().out
     assert "chain (oldest first" in out and "emb: 2 rows" in out and str(tmp_path / "base") in out

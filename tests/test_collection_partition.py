@@ -106,3 +106,25 @@ def test_bad_collections_raise_and_change_nothing() -> None:
     with pytest.raises(shardvar.ShardvarTypeError, match="list of submodule names"):
         shardvar.partition_model(model, {}, collections="emb_l")
     assert type(model.emb_l) is nn.ModuleList and all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_plan_collection_replicates_tiny_splits_large_and_balances_the_rest() -> None:
+    from shardvar.distributed import plan_collection
+
+    tables = {
+        f"t{i}": shardvar.TableConfig(rows, 16) for i, rows in enumerate([10, 3, 20_000, 30_000, 25_000, 400_000])
+    }
+    placement = plan_collection(tables, world=3, replicate_bytes=1 << 12)
+    assert placement == {"t0": "replicate", "t1": "replicate", "t2": 2, "t3": 0, "t4": 1, "t5": "row"}
+    assert plan_collection(tables, world=3, replicate_bytes=1 << 12) == placement  # the same on every rank
+    assert set(plan_collection(tables, world=1).values()) <= {"replicate", 0}
+    with pytest.raises(shardvar.ShardvarTypeError, match="TableConfig"):
+        plan_collection({"a": (3, 4)}, world=2)
+
+
+def test_auto_placement_in_a_process_group(tmp_path) -> None:
+    from distributed import run_ranks
+
+    (result,) = run_ranks(1, "dist_collection_workers:auto_placement", tmp_path)
+    assert result["replicated"] == ["a", "b", "c", "d", "e", "f", "g"]  # all tiny: every table replicated
+    assert result["groups"] == 0 and result["shapes"]["d"] == (3, 6)

@@ -43,7 +43,9 @@ def single_process(world: int, case: str, shards: int, strategy: str, steps: int
 )
 def test_every_module_option_matches_a_single_process(tmp_path, world, case, strategy) -> None:
     shards, steps = 5, 3
-    results = run_ranks(world, "dist_module_workers:module_train", tmp_path, case=case, shards=shards, strategy=strategy, steps=steps)
+    results = run_ranks(
+        world, "dist_module_workers:module_train", tmp_path, case=case, shards=shards, strategy=strategy, steps=steps
+    )
     outs, table = single_process(world, case, shards, strategy, steps)
     for rank, r in enumerate(results):
         for got, want in zip(r["outs"], outs[rank], strict=True):

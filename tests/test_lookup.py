@@ -32,7 +32,9 @@ def test_embedding_lookup_equals_f_embedding(pair, data) -> None:
     shape = data.draw(st.lists(st.integers(0, 3), max_size=3))
     ids = torch.randint(0, table.shape[0], shape)
     torch.testing.assert_close(shardvar.embedding_lookup(v, ids), F.embedding(ids, table))
-    if v.layout.sizes == Layout.div(table.shape[0], len(v.variables)).sizes:  # a list is read with the reference's sizes
+    if (
+        v.layout.sizes == Layout.div(table.shape[0], len(v.variables)).sizes
+    ):  # a list is read with the reference's sizes
         as_list = shardvar.embedding_lookup(v.variables, ids, partition_strategy=v.layout.strategy)
         torch.testing.assert_close(as_list, F.embedding(ids, table))
 

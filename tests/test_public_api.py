@@ -10,7 +10,19 @@ import shardvar
 
 PACKAGE = Path(shardvar.__file__).parent
 # Bottom to top; a module may import its own layer and the ones listed before it.
-LAYERS = ["_errors", "layout", "partitioners", "variables", "nn", "optim", "dynamic", "checkpoint", "distributed", "transform", "cli"]
+LAYERS = [
+    "_errors",
+    "layout",
+    "partitioners",
+    "variables",
+    "nn",
+    "optim",
+    "dynamic",
+    "checkpoint",
+    "distributed",
+    "transform",
+    "cli",
+]
 
 
 def test_every_public_name_resolves() -> None:

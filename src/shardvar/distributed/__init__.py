@@ -5,6 +5,7 @@ from ._collection import DistributedEmbeddingBagCollection
 from ._comm import DEFAULT_TIMEOUT, Comm
 from ._dynamic import DistributedDynamicEmbedding
 from ._module import DistributedEmbedding, DistributedEmbeddingBag
+from ._placement import plan_collection
 from ._variable import DistributedShardedVariable, distributed_store, round_robin
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "DistributedShardedVariable",
     "distributed_store",
     "load",
+    "plan_collection",
     "round_robin",
     "save",
 ]

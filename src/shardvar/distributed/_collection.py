@@ -26,6 +26,7 @@ from ..variables import RowInitializer, ShardsView
 from ..variables._create import to_layout
 from ._comm import DEFAULT_TIMEOUT, Comm
 from ._module import DistributedEmbeddingBag
+from ._placement import plan_collection
 from ._replicas import Replicas
 
 __all__ = ["DistributedEmbeddingBagCollection"]
@@ -57,14 +58,16 @@ class DistributedEmbeddingBagCollection(nn.Module):
     """Named tables sharded over the ranks of a process group, looked up in one exchange per group.
 
     Every rank builds it with the same arguments and calls it with every table's feature (its own
-    ids). ``placement`` maps a table to ``"row"`` (default), ``"table"`` or a rank.
+    ids). ``placement`` maps a table to ``"row"`` (default), ``"table"``, a rank or ``"replicate"``
+    (whole on every rank, data parallel: for small tables); ``placement="auto"`` asks
+    :func:`plan_collection` (replicate the tiny, split the large by rows, balance the rest whole).
     """
 
     def __init__(
         self,
         tables: dict[str, TableConfig],
         *,
-        placement: dict[str, Any] | None = None,
+        placement: dict[str, Any] | str | None = None,
         sparse: bool = False,
         initializer: RowInitializer | None = None,
         group: Any = None,
@@ -73,13 +76,15 @@ class DistributedEmbeddingBagCollection(nn.Module):
         super().__init__()
         if not isinstance(tables, dict) or not tables or not all(isinstance(c, TableConfig) for c in tables.values()):
             raise ShardvarTypeError(f"tables must be a non-empty dict of name -> TableConfig; got {tables!r:.80}")
-        placement = placement or {}
+        world = Comm(group, timeout).world
+        placement = plan_collection(tables, world) if placement == "auto" else placement or {}
+        if not isinstance(placement, dict):
+            raise ShardvarTypeError(f"placement must be a dict of table -> placement, or 'auto'; got {placement!r}")
         unknown = sorted(set(placement) - set(tables))
         if unknown:
             raise ShardvarValueError(f"placement names tables {unknown} that are not in the collection")
         for name, cfg in tables.items():
             check_choice(cfg.mode, f"mode of table {name!r}", ("sum", "mean", "max"))
-        world = Comm(group, timeout).world
         self.configs = dict(tables)
         self.layouts: dict[str, Layout] = {}
         by_kind: dict[tuple[int, str], list[str]] = {}
