@@ -30,15 +30,17 @@ def test_dlrm_example_trains_the_same_model_on_one_two_and_three_processes(tmp_p
     import shardvar
 
     runs = {}
-    for world in (1, 2, 3):
+    for label, world, placement in (("w1", 1, "row"), ("w2", 2, "row"), ("w3", 3, "row"), ("auto3", 3, "auto")):
         script = [
             str(ROOT / "examples" / "dlrm.py"),
             "--steps",
             "12",
             "--batch",
             "240",
+            "--placement",
+            placement,
             "--save",
-            str(tmp_path / f"w{world}"),
+            str(tmp_path / label),
         ]
         launcher = (
             []
@@ -53,11 +55,11 @@ def test_dlrm_example_trains_the_same_model_on_one_two_and_three_processes(tmp_p
             timeout=300,
         )
         assert out.returncode == 0, out.stdout + out.stderr
-        runs[world] = re.search(r"loss (\d\.\d+) -> (\d\.\d+)", out.stdout).groups()
-    assert runs[1] == runs[2] == runs[3]
+        runs[label] = re.search(r"loss (\d\.\d+) -> (\d\.\d+)", out.stdout).groups()
+    assert runs["w1"] == runs["w2"] == runs["w3"] == runs["auto3"]  # replicated, whole and split tables alike
     names = shardvar.checkpoint.Manifest.read(tmp_path / "w1").variables
     assert sum(".embedding_bags." in n for n in names) == 26
     for name in names:
         one = shardvar.read_shard(tmp_path / "w1", name)
-        for world in (2, 3):
-            torch.testing.assert_close(shardvar.read_shard(tmp_path / f"w{world}", name), one, atol=1e-5, rtol=0)
+        for label in ("w2", "w3", "auto3"):
+            torch.testing.assert_close(shardvar.read_shard(tmp_path / label, name), one, atol=1e-5, rtol=0)

@@ -12,6 +12,7 @@ a local ``EmbeddingBagCollection`` or plain ``nn.EmbeddingBag``s.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -40,6 +41,17 @@ class _GroupBag(DistributedEmbeddingBag):
 
     def distributed_variables(self) -> dict[str, Any]:
         return {}
+
+
+class _Renumbered:
+    """Draws the group's row ``g`` as the collection's row ``numbers[g]`` (its tables end to end, in the
+    collection's order, by logical id): a table's initial values depend on neither grouping nor placement."""
+
+    def __init__(self, init: RowInitializer, numbers: torch.Tensor) -> None:
+        self.init, self.numbers = init, numbers
+
+    def rows(self, ids: torch.Tensor, row_shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.init.rows(self.numbers[ids.reshape(-1).to(torch.int64).cpu()], row_shape, dtype)
 
 
 def _ranks(spec: Any, layout: Layout, index: int, world: int, name: str) -> list[int]:
@@ -86,41 +98,37 @@ class DistributedEmbeddingBagCollection(nn.Module):
         for name, cfg in tables.items():
             check_choice(cfg.mode, f"mode of table {name!r}", ("sum", "mean", "max"))
         self.configs = dict(tables)
+        init = initializer or RowInitializer()
+        first = dict(zip(tables, [0, *itertools.accumulate(c.num_embeddings for c in tables.values())], strict=False))
+        replicated = {n: c for n, c in tables.items() if placement.get(n) == "replicate"}
+        self.replicas = Replicas(replicated, sparse, init, {n: first[n] for n in replicated}, Comm(group, timeout))
+        self.embedding_bags = self.replicas.embedding_bags  # the replicated tables' parameters
         self.layouts: dict[str, Layout] = {}
         by_kind: dict[tuple[int, str], list[str]] = {}
-        replicated = {n: c for n, c in tables.items() if placement.get(n) == "replicate"}
-        tables = {n: c for n, c in tables.items() if n not in replicated}
-        self.replicas = Replicas(replicated, sparse, initializer or RowInitializer(), Comm(group, timeout))
-        self.embedding_bags = self.replicas.embedding_bags  # the replicated tables' parameters
         for name, cfg in tables.items():
-            spec = placement.get(name, "row")
-            count = 1 if spec != "row" else cfg.partitioner
+            if name in replicated:
+                continue
+            count = cfg.partitioner if placement.get(name, "row") == "row" else 1
             self.layouts[name] = to_layout(count, (cfg.num_embeddings, cfg.embedding_dim), None, cfg.partition_strategy)
             by_kind.setdefault((cfg.embedding_dim, cfg.mode), []).append(name)
         self.groups: list[list[str]] = list(by_kind.values())
         self.starts: dict[str, int] = {}
         bags = []
         for (dim, mode), names in by_kind.items():
-            sizes, ranks, start = [], [], 0
+            sizes, ranks, numbers, start = [], [], [], 0
             for name in names:
                 layout = self.layouts[name]
                 self.starts[name] = start
                 start += layout.num_rows
                 sizes += list(layout.sizes)
                 ranks += _ranks(placement.get(name, "row"), layout, list(tables).index(name), world, name)
+                numbers += [first[name] + layout.shard_ids(s) for s in range(layout.num_shards)]
             bags.append(
                 _GroupBag(
-                    start,
-                    dim,
-                    Layout.explicit(sizes),
-                    mode=mode,
-                    sparse=sparse,
-                    placement=ranks,
-                    initializer=initializer,
-                    group=group,
-                    timeout=timeout,
+                    start, dim, Layout.explicit(sizes), mode=mode, sparse=sparse, placement=ranks,
+                    initializer=_Renumbered(init, torch.cat(numbers)), group=group, timeout=timeout,
                 )
-            )
+            )  # fmt: skip
         for bag in bags:
             bag.set_state_dict_form("sharded")  # this rank's shards; tables are saved by the collection
         self.bags = nn.ModuleList(bags)

@@ -63,11 +63,13 @@ class Replicas:
     """The replicated tables of a collection; the collection registers ``embedding_bags`` (its state
     dict then names them ``embedding_bags.<name>.weight``, as the other tables are named)."""
 
-    def __init__(self, tables: dict[str, TableConfig], sparse: bool, init: RowInitializer, comm: Comm) -> None:
+    def __init__(
+        self, tables: dict[str, TableConfig], sparse: bool, init: RowInitializer, first: dict[str, int], comm: Comm
+    ) -> None:
         self.configs, self.sparse, self.comm = dict(tables), sparse, comm
         self.embedding_bags = nn.ModuleDict(
             {
-                n: _Table(init.rows(torch.arange(c.num_embeddings), (c.embedding_dim,), torch.float32))
+                n: _Table(init.rows(first[n] + torch.arange(c.num_embeddings), (c.embedding_dim,), torch.float32))
                 for n, c in tables.items()
             }
         )

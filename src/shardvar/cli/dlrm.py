@@ -1,0 +1,108 @@
+"""A DLRM-style model on synthetic Criteo-shaped data, shared by ``shardvar demo --tables`` and
+``examples/dlrm.py``.
+
+13 dense features go through a bottom MLP; up to 26 categorical ones (Criteo's cardinalities,
+scaled) are looked up in an ``EmbeddingBagCollection`` (one process) or a
+``DistributedEmbeddingBagCollection`` (several: each step is one exchange for all tables); the
+pooled vectors and the bottom MLP's output interact by pairwise dot products, and a top MLP
+predicts the click. Each rank takes its slice of the same global batch and the dense gradients
+are summed over the ranks, so every world size trains the same model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..distributed import DistributedEmbeddingBagCollection
+from ..nn import EmbeddingBagCollection, TableConfig
+from ..variables import RowInitializer
+
+__all__ = ["CRITEO", "DLRM", "tables", "batch", "build", "train"]
+
+CRITEO = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
+          5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]  # fmt: skip
+DENSE, DIM = 13, 16
+INIT = RowInitializer(seed=1, std=0.1)  # table values that depend on nothing but the row
+
+
+def tables(scale: float, count: int = 26) -> dict[str, TableConfig]:
+    """The first ``count`` of Criteo's 26 tables, cardinalities times ``scale``; big ones in 4 mod shards."""
+    return {
+        f"cat_{i}": TableConfig(max(2, int(n * scale)), DIM, 4 if n * scale > 1000 else 1, "mod")
+        for i, n in enumerate(CRITEO[:count])
+    }
+
+
+class DLRM(nn.Module):
+    """Bottom MLP, embedding collection, pairwise-dot interaction, top MLP (the DLRM reference's shape)."""
+
+    def __init__(self, embeddings: nn.Module, num_tables: int) -> None:
+        super().__init__()
+        self.embeddings = embeddings
+        self.bottom = nn.Sequential(nn.Linear(DENSE, 32), nn.ReLU(), nn.Linear(32, DIM), nn.ReLU())
+        pairs = (num_tables + 1) * num_tables // 2
+        self.top = nn.Sequential(nn.Linear(DIM + pairs, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, dense: torch.Tensor, sparse: dict[str, torch.Tensor]) -> torch.Tensor:
+        x = self.bottom(dense)
+        pooled = self.embeddings(sparse)
+        features = torch.stack([x, *pooled.values()], dim=1)  # [batch, tables + 1, DIM]
+        dots = features @ features.transpose(1, 2)
+        i, j = torch.triu_indices(features.shape[1], features.shape[1], offset=1)
+        return self.top(torch.cat([x, dots[:, i, j]], dim=1)).squeeze(1)
+
+
+def batch(configs: dict[str, TableConfig], size: int, step: int) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """A global batch of synthetic Criteo-shaped rows: dense features, one id per table, clicks."""
+    g = torch.Generator().manual_seed(step)
+    dense = torch.randn(size, DENSE, generator=g).abs().log1p()
+    ids = {k: torch.randint(0, c.num_embeddings, (size, 1), generator=g) for k, c in configs.items()}
+    first = next(iter(ids.values()))
+    logit = dense[:, 0] - dense[:, 1] + (first.squeeze(1) % 3 == 0).float()  # something to learn
+    return dense, ids, torch.bernoulli(torch.sigmoid(logit), generator=g)
+
+
+def build(configs: dict[str, TableConfig], world: int, placement: Any = None) -> DLRM:
+    """The model: a distributed collection over ``world`` ranks (placement by hand, ``"auto"`` or row-wise),
+    or one process's collection holding the same values (the tables end to end, by logical row)."""
+    if world > 1:
+        emb: nn.Module = DistributedEmbeddingBagCollection(configs, placement=placement, initializer=INIT)
+    else:
+        emb = EmbeddingBagCollection(configs)
+        start = 0
+        with torch.no_grad():
+            for bag in emb.embedding_bags.values():
+                bag.weight.copy_(INIT.rows(start + torch.arange(bag.num_embeddings), (DIM,), torch.float32))
+                start += bag.num_embeddings
+    torch.manual_seed(0)  # the dense layers: the same initial values on every rank and world size
+    return DLRM(emb, len(configs))
+
+
+def train(
+    model: DLRM, configs: dict[str, TableConfig], steps: int, size: int, lr: float, world: int = 1
+) -> list[float]:
+    """SGD on the global batch, each rank on its slice; returns the loss of every step (summed over ranks)."""
+    rank = dist.get_rank() if world > 1 else 0
+    dense_params = [*model.bottom.parameters(), *model.top.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    per_rank, losses = size // world, []
+    for step in range(steps):
+        dense, ids, clicks = batch(configs, size, step)
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        logits = model(dense[mine], {k: v[mine] for k, v in ids.items()})
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, clicks[mine], reduction="sum") / size
+        opt.zero_grad()
+        loss.backward()
+        if world > 1:  # the dense layers are replicated: sum their gradients over the ranks, in one call
+            flat = torch.cat([p.grad.reshape(-1) for p in dense_params])
+            dist.all_reduce(flat)
+            torch.nn.utils.vector_to_parameters(flat, [p.grad for p in dense_params])
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
