@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -169,3 +170,13 @@ def test_bench_writes_ratios(tmp_path) -> None:
         assert expected in names
     assert all(r["ratio"] > 0 for r in results)
     assert results[-1]["bytes_sent_vs_bound"] < 1.1  # rows of 256 bytes; each id adds 8
+
+
+def test_demo_tables_trains_the_collection_on_two_processes_as_on_one(tmp_path, capsys) -> None:
+    args = ["demo", "--tables", "26", "--steps", "6", "--batch", "64", "--scale", "0.002", "--no-progress"]
+    assert main([*args, "--procs", "2", "--checkpoint", str(tmp_path / "ck")]) == 0
+    out = capsys.readouterr().out
+    assert "1 kernel(s) for 26 tables" in out and "placement auto:" in out
+    diffs = [float(m) for m in re.findall(r"max \|diff\| = ([0-9.e+-]+)", out)]
+    assert len(diffs) == 3 and max(diffs) < 1e-5  # collection vs unsharded, processes vs one, restored
+    assert (tmp_path / "ck" / "manifest.json").exists()

@@ -46,6 +46,10 @@ def _summary(model: RecModel, restored: RecModel, rows: dict[str, str]) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    if args.tables:
+        from ._demo_tables import run_tables_demo
+
+        return run_tables_demo(args)
     if args.procs > 1:
         from ._demo_distributed import run_distributed
 
@@ -119,5 +123,14 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--procs", type=int, default=1, help="run distributed over this many processes (gloo)")
     p.add_argument("--checkpoint", help="where to save (default: a new temporary directory)")
+    p.add_argument(
+        "--tables",
+        type=int,
+        choices=range(1, 27),
+        metavar="1..26",
+        default=None,
+        help="instead: the DLRM-style model with this many Criteo-shaped tables in one collection",
+    )
+    p.add_argument("--scale", type=float, default=0.01, help="with --tables: Criteo's cardinalities times this")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(func=run_demo)

@@ -11,6 +11,7 @@ are summed over the ranks, so every world size trains the same model.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -83,14 +84,24 @@ def build(configs: dict[str, TableConfig], world: int, placement: Any = None) ->
 
 
 def train(
-    model: DLRM, configs: dict[str, TableConfig], steps: int, size: int, lr: float, world: int = 1
+    model: DLRM,
+    configs: dict[str, TableConfig],
+    steps: int,
+    size: int,
+    lr: float,
+    world: int = 1,
+    seconds: list[float] | None = None,
 ) -> list[float]:
-    """SGD on the global batch, each rank on its slice; returns the loss of every step (summed over ranks)."""
+    """SGD on the global batch, each rank on its slice; returns the loss of every step (summed over ranks).
+
+    ``seconds``, when given, gets the time each step took.
+    """
     rank = dist.get_rank() if world > 1 else 0
     dense_params = [*model.bottom.parameters(), *model.top.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     per_rank, losses = size // world, []
     for step in range(steps):
+        start = time.perf_counter()
         dense, ids, clicks = batch(configs, size, step)
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
         logits = model(dense[mine], {k: v[mine] for k, v in ids.items()})
@@ -105,4 +116,6 @@ def train(
             dist.all_reduce(loss)
         opt.step()
         losses.append(float(loss.detach()))
+        if seconds is not None:
+            seconds.append(time.perf_counter() - start)
     return losses
