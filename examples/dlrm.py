@@ -28,14 +28,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256, help="global batch, split over the ranks")
     parser.add_argument("--scale", type=float, default=0.001, help="Criteo's cardinalities times this")
     parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--placement", choices=["row", "auto"], default="row")
+    parser.add_argument("--placement", choices=["row", "table", "auto"], default="row",
+                        help="tables split by rows, whole (round robin over the ranks), or planned")  # fmt: skip
     parser.add_argument("--save", default=None)
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     configs = tables(args.scale)
-    model = build(configs, world, "auto" if args.placement == "auto" else None)
+    placement = {"row": None, "table": dict.fromkeys(configs, "table"), "auto": "auto"}[args.placement]
+    model = build(configs, world, placement)
     losses = train(model, configs, args.steps, args.batch, args.lr, world)
     if world == 1 or dist.get_rank() == 0:
         head, tail = sum(losses[:10]) / min(10, len(losses)), sum(losses[-10:]) / min(10, len(losses))
