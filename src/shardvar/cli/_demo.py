@@ -54,6 +54,10 @@ def run_demo(args: argparse.Namespace) -> int:
         from ._demo_distributed import run_distributed
 
         return run_distributed(args)
+    return _run_local(args)
+
+
+def _run_local(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     data = Clicks(args.users, args.items, args.seed)
     users, items = _tables(args, args.shards, args.strategy)

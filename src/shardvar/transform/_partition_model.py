@@ -228,17 +228,20 @@ def partition_model(
         record.users = plan.users
         for name in plan.named:
             result.parameters[name] = record
-    for name, bags in containers.items():
-        parent, attr = _owner(module, name)
-        tables = {k: getattr(bags, k) if isinstance(bags, nn.ModuleDict) else bags[int(k)] for k in _keys(bags)}
-        setattr(
-            parent,
-            attr,
-            EmbeddingBagDict(tables) if isinstance(bags, nn.ModuleDict) else EmbeddingBagList(list(tables.values())),
-        )
+    _swap_collections(module, containers)
     if plans:
         _guard(module)
     return result
+
+
+def _swap_collections(module: nn.Module, containers: dict[str, nn.Module]) -> None:
+    """Put an EmbeddingBagList / Dict of the (now sharded) bags in place of each named container."""
+    for name, bags in containers.items():
+        parent, attr = _owner(module, name)
+        if isinstance(bags, nn.ModuleDict):
+            setattr(parent, attr, EmbeddingBagDict(dict(bags.items())))
+        else:
+            setattr(parent, attr, EmbeddingBagList(list(bags)))
 
 
 def _keys(bags: nn.Module) -> list[str]:
