@@ -20,7 +20,7 @@ from ..layout import Layout
 from ._chain import Chain, RowChanges, apply_rows
 from ._manifest import Manifest, VariableEntry
 from ._optim import check_optimizer
-from ._restore import Files, _check_file, _restore, restore_shard, restore_shards, verify_shards
+from ._restore import Files, _check_file, restore_into, restore_shard, restore_shards, verify_shards
 from ._state import Partial, State, notify, param_names, resolve
 from ._write import Coordinator, Progress, agree
 
@@ -143,7 +143,7 @@ def _write_targets(targets: list[_Target], staged: dict, progress: Progress | No
             if i not in staged:
                 direct = {s: d.detach() for s, d in t.dests if _fillable(d, t.entry.dtype)}
                 if direct:  # straight from the files into the target's memory (verified, and locked)
-                    _restore(t.files, t.entry, t.layout, direct, verify=False)
+                    restore_into(t.files, t.entry, t.layout, direct, verify=False)
                     t.patch(direct)
             for k, (s, dest) in enumerate(t.dests):
                 if dest is None or (i not in staged and _fillable(dest, t.entry.dtype)):
