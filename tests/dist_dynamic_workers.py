@@ -60,4 +60,8 @@ def restore(rank: int, world: int, path: str, admission: int | None = None) -> d
         ((out - target) ** 2).sum().backward()
         opt.step()
         outs.append(out.detach())
-    return {"rows": rows, "keys": keys, "lookup": looked_up, "contains": contains, "outs": outs}
+    evicted = emb.evict(POOL[rank * 7 : rank * 7 + 20])  # collective: owners free the rows of these ids
+    return {
+        "rows": rows, "keys": keys, "lookup": looked_up, "contains": contains, "outs": outs,
+        "evicted": evicted, "after": emb.contains(POOL),
+    }  # fmt: skip

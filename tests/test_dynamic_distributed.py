@@ -83,3 +83,7 @@ def test_checkpoint_of_two_processes_restores_on_one_and_three(tmp_path: Path) -
             for step_outs, step in zip(_one_process(one, one_opt, 3, range(5, 8)), range(3), strict=True):
                 for r in range(3):
                     torch.testing.assert_close(restored[r]["outs"][step], step_outs[r], atol=1e-5, rtol=1e-5)
+            asked = torch.cat([POOL[r * 7 : r * 7 + 20] for r in range(3)])
+            evicted = one.evict(asked)
+            assert torch.equal(torch.cat([r["evicted"] for r in restored]).unique(), evicted.sort().values)
+            assert all(torch.equal(r["after"], one.contains(POOL)) for r in restored)

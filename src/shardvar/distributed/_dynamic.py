@@ -126,6 +126,19 @@ class DistributedDynamicEmbedding(DynamicEmbedding):
         found = (self.slots.find(received)[0] >= 0).to(torch.int64)
         return answer(self.comm, found, sent, got, order)[inverse].bool().view(as_keys(ids).shape)
 
+    def evict(self, ids: Any = None, *, count: int | None = None, older_than: int | None = None) -> torch.Tensor:
+        """``ids``: collective, each owner frees the rows of its ids; returns the evicted ids (on every rank
+        that asked for them). ``count`` / ``older_than``: this rank's rows only."""
+        if ids is None or count is not None or older_than is not None:
+            return super().evict(ids, count=count, older_than=older_than)
+        keys = as_keys(ids, self.slots.meta.device).reshape(-1)
+        unique = torch.unique(keys)
+        received, sent, got, order = route(self.comm, unique, shard_of(unique, self.comm.world), "ids")
+        slot = self.slots.find(received)[0]
+        self.slots.remove(slot[slot >= 0].unique())
+        evicted = answer(self.comm, (slot >= 0).to(torch.int64), sent, got, order).bool()
+        return unique[evicted]
+
     def to_fixed(self, as_module: bool = False) -> tuple[Any, torch.Tensor]:
         """Collective: every rank gets (rows of all held ids, sorted id map), as the local table's."""
         held = self.slots.held()
