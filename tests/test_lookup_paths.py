@@ -58,3 +58,21 @@ def test_lookups_and_bags_equal_the_unsharded_ops(table, data) -> None:
         F.embedding_bag(ids, leaf, offsets, mode=mode, per_sample_weights=weights, padding_idx=padding).sum().backward()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in v.variables]
         torch.testing.assert_close(v.layout.join(grads), leaf.grad)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 9), min_size=1, max_size=9))
+def test_the_member_holding_each_row_of_a_slab(sizes: list[int]) -> None:
+    """The division shortcut for balanced sizes agrees with a binary search, for any sizes."""
+    import itertools
+
+    from shardvar.variables._store import _member
+
+    starts = torch.tensor([0, *itertools.accumulate(sizes)][:-1])
+    rows = torch.arange(sum(sizes))
+    want = torch.bucketize(rows, starts[1:], right=True)
+    assert torch.equal(_member(rows, sizes, starts), want)
+    balanced = [len(sizes) + 3] * 2 + [len(sizes) + 2] * len(sizes)  # the div layouts' shape, forced
+    starts = torch.tensor([0, *itertools.accumulate(balanced)][:-1])
+    rows = torch.arange(sum(balanced))
+    assert torch.equal(_member(rows, balanced, starts), torch.bucketize(rows, starts[1:], right=True))
