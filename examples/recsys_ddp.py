@@ -12,6 +12,7 @@ down. With --save DIR the run ends with a checkpoint any world size can restore.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 
@@ -103,6 +104,10 @@ def main() -> None:
         shardvar.distributed.save({"model": model, "opt": opt}, args.save)
         if rank == 0:
             print(f"saved {args.save}")
+    # DDP's reducer holds gloo work objects; freed at interpreter exit, after the group is gone, they
+    # can abort the process ("terminate called without an active exception"): free it first.
+    del mlp
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import socket
 import tempfile
@@ -67,6 +68,10 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     dist.all_gather_object(everyone, stats)
     if rank == 0:
         torch.save({"predictions": predictions, "stats": everyone}, Path(out) / "demo-results.pt")
+    # DDP's reducer holds gloo work objects; freed at interpreter exit, after the group is gone, they
+    # can abort the process ("terminate called without an active exception"): free it first.
+    del mlp
+    gc.collect()
     dist.destroy_process_group()
 
 
