@@ -13,6 +13,7 @@ restore.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 from datetime import timedelta
 
@@ -45,6 +46,7 @@ def main() -> None:
     if args.save:
         (shardvar.distributed.save if world > 1 else shardvar.save)({"model": model}, args.save)
     if world > 1:
+        gc.collect()  # gloo work held by garbage cycles goes while the group is alive
         dist.destroy_process_group()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -152,10 +153,12 @@ def main() -> None:
     result = func(rank, world, **kwargs)
     torch.save(result, out_dir / f"rank{rank}.pt")
     if not (result or {}).get("error"):
+        gc.collect()  # gloo work held by garbage cycles goes while the group is alive
         dist.destroy_process_group()
-        return
     # After a failed collective the group may hold work that never completes, and tearing it down
-    # (or letting interpreter exit destroy it) can abort the process: leave without destructors.
+    # can abort the process; and gloo objects freed during interpreter shutdown can abort it too
+    # ("terminate called without an active exception", pytorch#179291). The result is saved:
+    # leave without destructors.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

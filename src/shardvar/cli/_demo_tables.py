@@ -10,6 +10,7 @@ other layouts and the predictions compared.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import socket
 import statistics
@@ -45,6 +46,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     if rank == 0:
         placement = plan_collection(configs, args.procs)
         torch.save({"losses": losses, "per_step": per_step, "placement": placement}, Path(out) / "demo-run.pt")
+    gc.collect()  # gloo work held by garbage cycles goes while the group is alive
     dist.destroy_process_group()
 
 
