@@ -28,7 +28,7 @@ from ..distributed import plan_collection
 from ..distributed import save as distributed_save
 from ..nn import TableConfig
 from ._table import format_bytes, render_table
-from .dlrm import batch, build, tables, train
+from .dlrm import DLRM, batch, build, tables, train
 
 __all__ = ["run_tables_demo"]
 
@@ -52,8 +52,6 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
 
 def _plain(model: nn.Module, configs: dict[str, TableConfig]) -> nn.Module:
     """The same model with one nn.EmbeddingBag per table (values copied), for comparison."""
-    from .dlrm import DLRM
-
     bags = {n: nn.EmbeddingBag(c.num_embeddings, c.embedding_dim, mode=c.mode) for n, c in configs.items()}
     plain = DLRM(_Bags(bags), len(configs))
     plain.load_state_dict(model.state_dict())

@@ -28,14 +28,18 @@ def _stable_order(*columns: torch.Tensor) -> torch.Tensor:
     return order
 
 
+def group_rank(groups: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """Each entry's position within its group, for entries already sorted by group."""
+    counts = torch.bincount(groups, minlength=num_groups)
+    starts = torch.cumsum(counts, 0) - counts
+    return torch.arange(groups.numel(), device=groups.device) - starts[groups]
+
+
 def lowest_per_group(groups: torch.Tensor, want: torch.Tensor, *scores: torch.Tensor) -> torch.Tensor:
     """Positions of the ``want[g]`` lowest-scoring entries of each group ``g`` (scores as sort keys)."""
     order = _stable_order(groups, *scores)
     g = groups[order]
-    counts = torch.bincount(g, minlength=want.numel())
-    starts = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(order.numel(), device=order.device) - starts[g]
-    return order[rank < want[g]]
+    return order[group_rank(g, want.numel()) < want[g]]
 
 
 class LRU:

@@ -19,16 +19,9 @@ from ..layout import Layout
 from ..variables import ShardsView
 from ._hash import mix64, shard_of
 from ._index import HashIndex
-from ._policy import COUNT, KEY, LFU, LRU, SEEN, USED, _stable_order, lowest_per_group
+from ._policy import COUNT, KEY, LFU, LRU, SEEN, USED, _stable_order, group_rank, lowest_per_group
 
 __all__ = ["SlotTable"]
-
-
-def _group_rank(groups: torch.Tensor, num_groups: int) -> torch.Tensor:
-    """Each entry's position within its group, for entries already sorted by group."""
-    counts = torch.bincount(groups, minlength=num_groups)
-    starts = torch.cumsum(counts, 0) - counts
-    return torch.arange(groups.numel(), device=groups.device) - starts[groups]
 
 
 class SlotTable(nn.Module):
@@ -39,8 +32,8 @@ class SlotTable(nn.Module):
     ) -> None:
         super().__init__()
         self.layout, self.first = layout, first
-        self.sizes, self.num_shards = layout.sizes[first : first + count], layout.num_shards
-        sizes = self.sizes
+        self.sizes = sizes = layout.sizes[first : first + count]
+        self.num_shards = layout.num_shards
         self.eviction, self.admission = eviction, admission
         capacity = sum(sizes)
         shard_ids = torch.arange(len(sizes), device=device)
@@ -154,7 +147,7 @@ class SlotTable(nn.Module):
         free_start = torch.cumsum(free_count, 0) - free_count
         order = _stable_order(shards, -occurrences, keys)  # per shard: the most seen first, then by id
         target = shards[order]
-        rank = _group_rank(target, groups)
+        rank = group_rank(target, groups)
         ok = rank < free_count[target]
         out = torch.full_like(keys, -1)
         out[order[ok]] = free_slots[free_start[target[ok]] + rank[ok]]
@@ -172,7 +165,7 @@ class SlotTable(nn.Module):
             return None
         scores = [-col[held] for col in self.eviction.scores(self.meta)]
         order = _stable_order(target, *scores)
-        rank = _group_rank(target[order], len(self.sizes))
+        rank = group_rank(target[order], len(self.sizes))
         sizes = torch.tensor(self.sizes, device=held.device)
         keep = rank < sizes[target[order]]
         offsets = torch.cumsum(sizes, 0) - sizes
