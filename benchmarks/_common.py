@@ -1,16 +1,8 @@
-"""Shared pieces of the benchmarks: Zipf ids and timers (from the package), and a ratio table."""
+"""Shared pieces of the benchmarks: Zipf ids, interleaved timers and the table, all from the package's CLI."""
 
 from __future__ import annotations
 
-from shardvar.cli._timing import compare, median_ms, zipf_ids
+from shardvar.cli._bench import compare, time_ms, zipf_ids
+from shardvar.cli._console import print_table
 
-__all__ = ["compare", "median_ms", "print_table", "zipf_ids"]
-
-
-def print_table(headers: list[str], rows: list[list[object]]) -> None:
-    cells = [headers] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    for i, r in enumerate(cells):
-        print("  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths, strict=True))))
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+__all__ = ["compare", "time_ms", "print_table", "zipf_ids"]

@@ -49,6 +49,10 @@ def test_inspect_and_reshard(tmp_path) -> None:
     out = run("inspect", str(tmp_path / "a"))
     assert out.returncode == 0, out.stderr
     assert "emb" in out.stdout and "mod: 25,25,25,25 @axis0" in out.stdout and "whole (0-d)" in out.stdout
+    lines = out.stdout.splitlines()  # in a pipe: plain text, a header, dashes, a row a line
+    assert "\x1b" not in out.stdout and "─" not in out.stdout
+    assert lines[0].split() == ["variable", "dtype", "shape", "saved", "layout", "bytes", "pieces"]
+    assert set(lines[1]) == {"-", " "} and lines[2].split()[:3] == ["emb", "float32", "100x4"]
     out = run("reshard", str(tmp_path / "a"), str(tmp_path / "b"), "--shards", "3", "--strategy", "div")
     assert out.returncode == 0 and out.stderr == "", out.stderr  # no progress bar off a terminal
     assert "div: 34,33,33 @axis0" in run("inspect", str(tmp_path / "b")).stdout
@@ -84,37 +88,96 @@ def test_inspect_shows_a_delta_chain_and_compact_folds_it(tmp_path, capsys) -> N
         main(["inspect", str(tmp_path / "d1")])
 
 
-def test_progress_bar_draws_only_on_a_terminal() -> None:
-    import io
+def run_in_terminal(*args: str, **env: str) -> tuple[int, str]:
+    """Run ``shardvar`` with stdout and stderr on a pseudo-terminal, as a user at a shell does."""
+    import os
+    import pty
 
-    from shardvar.cli._progress import ProgressBar
+    environ = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR", "TERM", "COLUMNS")}
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardvar", *args],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env={**environ, "TERM": "xterm-256color", "COLUMNS": "160", **env},
+    )
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 1 << 16)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    return proc.wait(), b"".join(chunks).decode()
 
-    class Terminal(io.StringIO):
-        def isatty(self) -> bool:
-            return True
 
-    term, pipe = Terminal(), io.StringIO()
-    with ProgressBar("work", stream=term, delay=0) as bar:
-        bar(512, 1024)
-    with ProgressBar("work", stream=pipe, delay=0) as bar:
-        bar(512, 1024)
-    assert "work [###############" in term.getvalue() and " 50%" in term.getvalue() and term.getvalue().endswith("\n")
-    assert pipe.getvalue() == ""
-    quick = Terminal()
-    with ProgressBar("work", stream=quick, delay=60) as bar:
-        bar(1, 2)
-    assert quick.getvalue() == ""  # work shorter than the delay stays quiet
+def _saved(path) -> None:
+    import torch
+
+    import shardvar
+
+    shardvar.save({"emb": shardvar.shard_tensor(torch.randn(100, 4), shardvar.Layout.mod(100, 4))}, path)
+
+
+def test_tables_are_rich_on_a_terminal(tmp_path) -> None:
+    _saved(tmp_path / "a")
+    rc, term = run_in_terminal("inspect", str(tmp_path / "a"))
+    assert rc == 0, term
+    assert "\x1b[1;36m" in term and "─" in term  # bold cyan headers over a rule
+    assert "mod: 25,25,25,25 @axis0" in term
+
+
+def test_progress_bars_on_a_terminal_only_and_off_with_no_progress(tmp_path) -> None:
+    _saved(tmp_path / "a")
+    rc, term = run_in_terminal("reshard", str(tmp_path / "a"), str(tmp_path / "b"), "--shards", "3")
+    assert rc == 0 and "reshard" in term and "100%" in term and "━" in term, term
+    demo = ["demo", "--users", "300", "--items", "80", "--dim", "4", "--steps", "40", "--batch", "64"]
+    rc, term = run_in_terminal(*demo)
+    assert rc == 0 and "training (sharded | unsharded, interleaved)" in term and "40/40" in term, term
+    assert "save" in term and "restore" in term  # the checkpoint's bars
+    rc, quiet = run_in_terminal(*demo, "--no-progress", NO_COLOR="1")
+    assert rc == 0 and "training (sharded" not in quiet and "━" not in quiet, quiet
+    assert "\x1b[1m" in quiet and not re.search("\x1b\\[[0-9;]*3[0-9]m", quiet)  # NO_COLOR: bold, no colours
+
+
+def test_version_and_a_bare_command(capsys) -> None:
+    import shardvar
+
+    out = run("--version")
+    assert out.returncode == 0 and out.stdout == f"shardvar {shardvar.__version__}\n", out
+    with pytest.raises(SystemExit, match="0"):
+        main(["--version"])
+    assert capsys.readouterr().out == f"shardvar {shardvar.__version__}\n"
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: shardvar")
+    for command in ("demo", "bench", "plan", "inspect", "reshard", "compact"):
+        assert re.search(rf"^\s+{command}\s+\w", out, re.M), command
+    with pytest.raises(SystemExit, match="2"):
+        main(["nonsense"])
+    assert "invalid choice: 'nonsense'" in capsys.readouterr().err
 
 
 def test_demo_trains_checkpoints_and_restores(tmp_path) -> None:
-    out = run(
-        "demo", "--users", "3000", "--items", "800", "--dim", "8", "--steps", "60", "--checkpoint", str(tmp_path / "ck")
-    )
+    import os
+
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+    args = ["demo", "--users", "3000", "--items", "800", "--dim", "8", "--steps", "60"]
+    out = subprocess.run([sys.executable, "-m", "shardvar", *args], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "predictions after restore             match" in out.stdout or "match (max |diff|" in out.stdout
+    assert re.search(r"^predictions after restore +match \(max \|diff\| = 0.0e\+00\)", out.stdout, re.M)
     assert "mod: 750,750,750,750" in out.stdout and "div: 1000,1000,1000" in out.stdout
-    assert "sharded step     60/60" in out.stdout  # progress lines off a terminal
-    assert "Warning" not in out.stderr, out.stderr
+    ratio = re.search(r"^sharded / unsharded, interleaved +([0-9.]+)x \(median of 57 steps each", out.stdout, re.M)
+    assert ratio and float(ratio[1]) > 0, out.stdout
+    assert "removed (--checkpoint DIR keeps it)" in out.stdout and "shardvar-demo-" not in out.stdout
+    assert list((tmp_path / "tmp").glob("shardvar-demo-*")) == []  # the temporary checkpoint is gone
+    assert out.stderr == "", out.stderr  # no warnings, no progress bar off a terminal
 
 
 def test_demo_on_two_processes(tmp_path) -> None:
@@ -135,6 +198,8 @@ def test_demo_on_two_processes(tmp_path) -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "rank 1" in out.stdout and "match (max |diff|" in out.stdout
+    assert re.search(rf"^checkpoint +{re.escape(str(tmp_path / 'ck'))}$", out.stdout, re.M), out.stdout
+    assert (tmp_path / "ck" / "manifest.json").exists()  # asked for: kept
 
 
 def test_bench_writes_ratios(tmp_path) -> None:

@@ -12,24 +12,60 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.benchmark import Timer
 
 from .._errors import ShardvarValueError
 from ..checkpoint import load, save
 from ..layout import Layout
 from ..nn import ShardedEmbedding
 from ..variables import embedding_lookup, shard_tensor
-from ._table import render_table
-from ._timing import compare, zipf_ids
+from ._console import print_table, step_progress
 
-__all__ = ["add_bench_parser"]
+__all__ = ["add_bench_parser", "compare", "time_ms", "zipf_ids"]
+
+
+def zipf_ids(num_ids: int, num_rows: int, exponent: float = 1.05, seed: int = 0) -> torch.Tensor:
+    """Ids whose ranks follow a truncated Zipf law; hot ids are scattered over the table."""
+    g = torch.Generator().manual_seed(seed)
+    ranks = torch.arange(1, num_rows + 1, dtype=torch.float64)
+    weights = (ranks**-exponent).float()
+    sampled = torch.multinomial(weights, num_ids, replacement=True, generator=g)
+    return torch.randperm(num_rows, generator=g)[sampled]
+
+
+def _timer(fn: Callable[[], object]) -> Timer:
+    # The caller's thread count, not Timer's default of one: the benchmarks time what a user runs.
+    return Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+
+
+def time_ms(fn: Callable[[], object], repeats: int = 7) -> float:
+    """Median time (ms) of one call of ``fn`` over ``repeats`` measurements (after Timer's warm-up)."""
+    timer = _timer(fn)
+    return statistics.median(timer.timeit(1).median for _ in range(repeats)) * 1e3
+
+
+def compare(fn: Callable[[], object], baseline: Callable[[], object], repeats: int = 7) -> tuple[float, float]:
+    """Median times (ms) of ``fn`` and ``baseline``, measured alternately in the same run.
+
+    Each repetition times one call of each (``Timer.timeit(1)``, which warms up first) in turn, so a
+    change in the machine's load lands on both; ``blocked_autorange`` would time one, then the other.
+    """
+    timers = _timer(fn), _timer(baseline)
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for timer, out in zip(timers[::-1], times[::-1], strict=True):
+            out.append(timer.timeit(1).median)
+    return statistics.median(times[0]) * 1e3, statistics.median(times[1]) * 1e3
 
 
 def _row(name: str, sharded_ms: float, baseline_ms: float, baseline: str) -> dict:
@@ -172,9 +208,7 @@ def bench_distributed(args: argparse.Namespace) -> list[dict]:
     shutil.rmtree(out.parent, ignore_errors=True)
     table = torch.randn(args.rows, args.dim)
     all_ids = zipf_ids(args.ids, args.rows)
-    from ._timing import median_ms
-
-    baseline = median_ms(lambda: F.embedding(all_ids, table), args.repeats)
+    baseline = time_ms(lambda: F.embedding(all_ids, table), args.repeats)
     sharded = max(s["ms"] for s in stats)
     sent, bound = sum(s["sent"] for s in stats), sum(s["bound"] for s in stats)
     row = _row(f"distributed lookup ({world} procs, gloo)", sharded, baseline, "F.embedding, one process")
@@ -195,8 +229,12 @@ def run_bench(args: argparse.Namespace) -> int:
         f"{args.shards} shards, {torch.get_num_threads()} threads; ratio = sharded / unsharded time\n"
     )
     results = []
-    for name in chosen:
-        results += suites[name](args)
+    with step_progress(args.progress) as bar:
+        task = bar.add_task("bench", total=len(chosen), status="")
+        for name in chosen:
+            bar.update(task, status=name)
+            results += suites[name](args)
+            bar.advance(task)
     table = []
     for r in results:
         extra = f"  (bytes sent {r['bytes_sent_vs_bound']:.3f}x the bound)" if r.get("bytes_sent_vs_bound") else ""
@@ -209,7 +247,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 r["baseline"],
             ]
         )
-    print(render_table(["benchmark", "sharded ms", "baseline ms", "ratio", "baseline"], table))
+    print_table(["benchmark", "sharded ms", "baseline ms", "ratio", "baseline"], table)
     Path(args.json).write_text(
         json.dumps({"settings": {k: v for k, v in vars(args).items() if k != "func"}, "results": results}, indent=1)
     )
@@ -251,4 +289,5 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--only", action="append", choices=["lookup", "train", "checkpoint", "distributed"])
     p.add_argument("--json", default="bench-results.json", help="where to write the results")
     p.add_argument("--png", help="also draw the ratios to this PNG (needs matplotlib)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(func=run_bench)

@@ -8,8 +8,7 @@ from .._errors import ShardvarError
 from ..checkpoint import Manifest, compact, reshard
 from ..checkpoint._chain import Chain
 from ..layout import STRATEGIES
-from ._progress import ProgressBar
-from ._table import format_bytes, format_sizes, render_table
+from ._console import byte_progress, format_bytes, format_sizes, print_table
 
 __all__ = ["add_checkpoint_parsers", "printable"]
 
@@ -41,7 +40,7 @@ def run_inspect(args: argparse.Namespace) -> int:
                 len(v.pieces),
             ]
         )
-    print(render_table(["variable", "dtype", "shape", "saved layout", "bytes", "pieces"], rows))
+    print_table(["variable", "dtype", "shape", "saved layout", "bytes", "pieces"], rows)
     total = sum(v.nbytes for v in manifest.variables.values())
     print(f"\n{len(rows)} variables, {format_bytes(total)} in {len(manifest.files())} file(s)")
     if "delta" in manifest.extra:
@@ -64,13 +63,14 @@ def _print_chain(path: str) -> None:
                 rows.append([kind, where, link.manifest.save_id[:12], format_bytes(size), what])
     except ShardvarError as e:
         raise SystemExit(f"shardvar inspect: the chain is broken: {e}") from None
-    print("\nchain (oldest first; `shardvar compact` folds it into one checkpoint):")
-    print(render_table(["link", "path", "save", "bytes", "changed rows"], rows))
+    print()
+    title = "chain (oldest first; `shardvar compact` folds it into one checkpoint):"
+    print_table(["link", "path", "save", "bytes", "changed rows"], rows, title=title)
 
 
 def run_reshard(args: argparse.Namespace) -> int:
     try:
-        with ProgressBar("reshard") as bar:
+        with byte_progress("reshard") as bar:
             reshard(args.src, args.dst, args.shards, args.strategy, progress=bar, overwrite=args.force)
     except ShardvarError as e:
         raise SystemExit(f"shardvar reshard: {e}") from None
@@ -80,7 +80,7 @@ def run_reshard(args: argparse.Namespace) -> int:
 
 def run_compact(args: argparse.Namespace) -> int:
     try:
-        with ProgressBar("compact") as bar:
+        with byte_progress("compact") as bar:
             compact(args.src, args.dst, progress=bar, overwrite=args.force)
     except ShardvarError as e:
         raise SystemExit(f"shardvar compact: {e}") from None

@@ -10,9 +10,7 @@ torch.distributed on this machine (gloo on loopback), one rank per process.
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -20,8 +18,19 @@ from torch import nn
 from .._errors import ShardvarError
 from ..checkpoint import save
 from ..layout import STRATEGIES
-from ._demo_model import Clicks, RecModel, _eval_batch, _other, _restore_and_compare, _tables, _train
-from ._table import format_bytes, format_sizes, render_table
+from ._console import byte_progress, format_bytes, format_sizes, print_table
+from ._demo_model import (
+    Clicks,
+    RecModel,
+    _eval_batch,
+    _other,
+    _restore_and_compare,
+    _tables,
+    checkpoint_dir,
+    step_summary,
+    train_twins,
+    where,
+)
 
 __all__ = ["add_demo_parser"]
 
@@ -40,9 +49,9 @@ def _summary(model: RecModel, restored: RecModel, rows: dict[str, str]) -> None:
                 ]
             )
     print()
-    print(render_table(["table", "layout (rows per shard)", "bytes per shard"], table))
+    print_table(["table", "layout (rows per shard)", "bytes per shard"], table)
     print()
-    print(render_table(["summary", ""], [[k, v] for k, v in rows.items()]))
+    print_table(["summary", ""], [[k, v] for k, v in rows.items()])
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -58,6 +67,19 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _run_local(args: argparse.Namespace) -> int:
+    # One intra-op thread, as each rank of `--procs N` has: the demo's kernels are small (a shard
+    # is < 4 MiB), and with two threads on a busy 2-core machine every kernel waits at OpenMP's
+    # barrier for a descheduled worker. That cost is per kernel, and the sharded step runs
+    # twice as many (Adam steps each shard), so it was 1.6x slower under load and 0.84x with one thread.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train_and_restore(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_and_restore(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     data = Clicks(args.users, args.items, args.seed)
     users, items = _tables(args, args.shards, args.strategy)
@@ -65,25 +87,25 @@ def _run_local(args: argparse.Namespace) -> int:
     plain = RecModel(nn.Embedding(args.users, args.dim), nn.Embedding(args.items, args.dim), args.dim)
     tables = {"users.weight": users.weight.to_tensor().detach(), "items.weight": items.weight.to_tensor().detach()}
     plain.load_state_dict({**{k: v for k, v in model.state_dict().items() if k.startswith("mlp")}, **tables})
-    show = args.progress
     print(
         f"shardvar demo: {args.users} users x {args.items} items, dim {args.dim}, "
         f"{args.shards} {args.strategy} shards per table, {args.steps} steps of {args.batch} clicks"
     )
-    losses, sharded_step = _train(model, data, args, "sharded  ", show)
-    _, plain_step = _train(plain, data, args, "unsharded", show)
+    losses, seconds = train_twins((model, plain), data, args)
     with torch.no_grad():
         reference = model(*_eval_batch(data, args))
-    path = Path(args.checkpoint or tempfile.mkdtemp(prefix="shardvar-demo-"))
-    try:
-        start = time.perf_counter()
-        save({"model": model, "opt": model.optimizer}, path)
-        save_s = time.perf_counter() - start
-        start = time.perf_counter()
-        restored, diff = _restore_and_compare(args, path, reference, data)
-        restore_s = time.perf_counter() - start
-    except ShardvarError as e:
-        raise SystemExit(f"shardvar demo: {e}") from None
+    with checkpoint_dir(args) as path:
+        try:
+            start = time.perf_counter()
+            with byte_progress("save", args.progress) as bar:
+                save({"model": model, "opt": model.optimizer}, path, progress=bar)
+            save_s = time.perf_counter() - start
+            size = sum(f.stat().st_size for f in path.iterdir())
+            start = time.perf_counter()
+            restored, diff = _restore_and_compare(args, path, reference, data)
+            restore_s = time.perf_counter() - start
+        except ShardvarError as e:
+            raise SystemExit(f"shardvar demo: {e}") from None
     first, last = sum(losses[:20]) / min(20, len(losses)), sum(losses[-20:]) / min(20, len(losses))
     with torch.no_grad():
         same = max(
@@ -95,12 +117,9 @@ def _run_local(args: argparse.Namespace) -> int:
         restored,
         {
             "loss (first 20 steps -> last 20)": f"{first:.4f} -> {last:.4f}",
-            "time per step, sharded": f"{sharded_step * 1e3:.1f} ms",
-            "time per step, unsharded (nn.Embedding)": (
-                f"{plain_step * 1e3:.1f} ms (sharded: {sharded_step / plain_step:.2f}x)"
-            ),
+            **step_summary(seconds),
             "tables after training, sharded vs unsharded": f"max |diff| = {same:.1e}",
-            "checkpoint": f"{path} ({format_bytes(sum(f.stat().st_size for f in path.iterdir()))}, in {save_s:.2f} s)",
+            "checkpoint": f"{format_bytes(size)} in {save_s:.2f} s; {where(args, path)}",
             "restored into": f"{args.restore_shards} {_other(args.strategy)} shards in {restore_s:.2f} s",
             "predictions after restore": f"match (max |diff| = {diff:.1e})"
             if diff <= 1e-6
@@ -126,7 +145,9 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--procs", type=int, default=1, help="run distributed over this many processes (gloo)")
-    p.add_argument("--checkpoint", help="where to save (default: a new temporary directory)")
+    p.add_argument(
+        "--checkpoint", metavar="DIR", help="save here and keep it (default: a temporary directory, removed)"
+    )
     p.add_argument(
         "--tables",
         type=int,

@@ -6,7 +6,7 @@ import argparse
 import gc
 import os
 import socket
-import tempfile
+import statistics
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -21,9 +21,8 @@ from ..checkpoint import Manifest
 from ..distributed import DistributedEmbedding
 from ..distributed import save as distributed_save
 from ..variables import RowInitializer
-from ._demo_model import Clicks, RecModel, _eval_batch, _other, _restore_and_compare
-from ._progress import StepBar
-from ._table import format_bytes, format_sizes, render_table
+from ._console import format_bytes, format_sizes, print_table, step_progress
+from ._demo_model import Clicks, RecModel, _eval_batch, _other, _restore_and_compare, checkpoint_dir, train_step, where
 
 __all__ = ["run_distributed"]
 
@@ -41,18 +40,16 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     data = Clicks(args.users, args.items, args.seed)
     g = torch.Generator().manual_seed(args.seed + 1 + rank)
-    losses = []
-    with StepBar(f"rank {rank}/{args.procs}", args.steps, enabled=args.progress and rank == 0) as bar:
-        start = time.perf_counter()
-        for step in range(args.steps):
-            u, i, label = data.batch(args.batch, g)
-            loss = nn.functional.binary_cross_entropy_with_logits(model(u, i, mlp), label)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(float(loss.detach()))
-            bar.update(step + 1, f"loss {sum(losses[-20:]) / len(losses[-20:]):.4f}")
-        per_step = (time.perf_counter() - start) / args.steps
+    losses, seconds = [], []
+    with step_progress(args.progress and rank == 0) as bar:
+        task = bar.add_task(f"rank {rank}/{args.procs}", total=args.steps, status="")
+        for _ in range(args.steps):
+            batch = data.batch(args.batch, g)
+            start = time.perf_counter()
+            losses.append(train_step(model, opt, batch, mlp))
+            seconds.append(time.perf_counter() - start)
+            bar.update(task, advance=1, status=f"loss {sum(losses[-20:]) / len(losses[-20:]):.4f}")
+    per_step = statistics.median(seconds[3:] or seconds)
     with torch.no_grad():
         predictions = model(*_eval_batch(data, args), mlp)
     distributed_save({"model": model, "opt": opt}, out)
@@ -79,21 +76,21 @@ def run_distributed(args: argparse.Namespace) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = Path(args.checkpoint or tempfile.mkdtemp(prefix="shardvar-demo-"))
     print(
         f"shardvar demo: {args.procs} processes (gloo on loopback), {args.users} users x {args.items} items, "
         f"dim {args.dim}, {args.shards} {args.strategy} shards per table, "
         f"{args.steps} steps of {args.batch} clicks per rank"
     )
-    mp.spawn(_worker, args=(args, port, str(out)), nprocs=args.procs, join=True)
-    results = torch.load(out / "demo-results.pt", weights_only=False)
-    (out / "demo-results.pt").unlink()
-    data = Clicks(args.users, args.items, args.seed)
-    try:
-        restored, diff = _restore_and_compare(args, out, results["predictions"], data)
-    except ShardvarError as e:
-        raise SystemExit(f"shardvar demo: {e}") from None
-    manifest = Manifest.read(out)
+    with checkpoint_dir(args) as out:
+        mp.spawn(_worker, args=(args, port, str(out)), nprocs=args.procs, join=True)
+        results = torch.load(out / "demo-results.pt", weights_only=False)
+        (out / "demo-results.pt").unlink()
+        data = Clicks(args.users, args.items, args.seed)
+        try:
+            restored, diff = _restore_and_compare(args, out, results["predictions"], data)
+        except ShardvarError as e:
+            raise SystemExit(f"shardvar demo: {e}") from None
+        layout = Manifest.read(out).variables["model/users.weight"].layout
     stats = results["stats"]
     table = [
         [
@@ -105,8 +102,7 @@ def run_distributed(args: argparse.Namespace) -> int:
         for s in stats
     ]
     print()
-    print(render_table(["rank", "shards owned (per table)", "embedding bytes held", "time per step"], table))
-    layout = manifest.variables["model/users.weight"].layout
+    print_table(["rank", "shards owned (per table)", "embedding bytes held", "time per step (median)"], table)
     losses = stats[0]["losses"]
     first, last = sum(losses[:20]) / min(20, len(losses)), sum(losses[-20:]) / min(20, len(losses))
     total = (args.users + args.items) * args.dim * 4
@@ -116,9 +112,9 @@ def run_distributed(args: argparse.Namespace) -> int:
         "embedding bytes in all": format_bytes(total),
         "restored into (one process)": f"{args.restore_shards} {_other(args.strategy)} shards",
         "predictions after restore": f"match (max |diff| = {diff:.1e})" if diff <= 1e-5 else f"DIFFER by {diff:.3e}",
-        "checkpoint": str(out),
+        "checkpoint": where(args, out),
     }
     print()
-    print(render_table(["summary", ""], [[k, v] for k, v in rows.items()]))
+    print_table(["summary", ""], [[k, v] for k, v in rows.items()])
     del restored
     return 0 if diff <= 1e-5 and last < first else 1

@@ -14,7 +14,6 @@ import gc
 import os
 import socket
 import statistics
-import tempfile
 from datetime import timedelta
 from pathlib import Path
 
@@ -27,7 +26,8 @@ from ..checkpoint import load, save
 from ..distributed import plan_collection
 from ..distributed import save as distributed_save
 from ..nn import TableConfig
-from ._table import format_bytes, render_table
+from ._console import format_bytes, print_table
+from ._demo_model import checkpoint_dir, where
 from .dlrm import DLRM, batch, build, tables, train
 
 __all__ = ["run_tables_demo"]
@@ -86,24 +86,11 @@ def _restore(path: Path, configs: dict[str, TableConfig]) -> nn.Module:
     return model
 
 
-def run_tables_demo(args: argparse.Namespace) -> int:
-    configs = tables(args.scale, args.tables)
-    model = build(configs, 1)
-    plain = _plain(model, configs)
-    total = sum(c.num_embeddings * c.embedding_dim * 4 for c in configs.values())
-    print(f"shardvar demo: DLRM-style model, {args.tables} Criteo-shaped tables ({format_bytes(total)}), "
-          f"{args.steps} steps of {args.batch}, {args.procs} process(es)")  # fmt: skip
-    losses, step_s = _timed_train(model, configs, args)
-    _, plain_s = _timed_train(plain, configs, args)
-    path = Path(args.checkpoint or tempfile.mkdtemp(prefix="shardvar-demo-"))
-    rows = {"loss (first 10 steps -> last 10)": f"{sum(losses[:10]) / 10:.4f} -> {sum(losses[-10:]) / 10:.4f}"}
-    groups = len(model.embeddings._groups)
-    rows["lookups per step"] = f"{groups} kernel(s) for {args.tables} tables (one per group of alike tables)"
-    rows["time per step (median)"] = f"{step_s * 1e3:.1f} ms (unsharded tables: {plain_s * 1e3:.1f} ms)"
-    dense, ids, _ = batch(configs, 64, 10_000)
-    with torch.no_grad():
-        reference = model(dense, ids)
-        rows["collection vs unsharded model"] = f"max |diff| = {float((reference - plain(dense, ids)).abs().max()):.1e}"
+def _checkpoint_and_restore(
+    args: argparse.Namespace, path: Path, configs: dict, model: nn.Module, losses: list[float], rows: dict, batch: tuple
+) -> float:
+    """Save (from P processes with ``--procs P``), restore into other layouts; the predictions' max |diff|."""
+    dense, ids, reference = batch
     if args.procs > 1:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -121,8 +108,32 @@ def run_tables_demo(args: argparse.Namespace) -> int:
     restored = _restore(path, configs)
     with torch.no_grad():
         diff = float((restored(dense, ids) - reference).abs().max())
-    rows["checkpoint"] = f"{path}, restored into 2 div shards per table: predictions max |diff| = {diff:.1e}"
-    print(render_table(["summary", ""], [[k, v] for k, v in rows.items()]))
+    rows["checkpoint"] = (
+        f"{where(args, path)}; restored into 2 div shards per table: predictions max |diff| = {diff:.1e}"
+    )
+    return diff
+
+
+def run_tables_demo(args: argparse.Namespace) -> int:
+    configs = tables(args.scale, args.tables)
+    model = build(configs, 1)
+    plain = _plain(model, configs)
+    total = sum(c.num_embeddings * c.embedding_dim * 4 for c in configs.values())
+    print(f"shardvar demo: DLRM-style model, {args.tables} Criteo-shaped tables ({format_bytes(total)}), "
+          f"{args.steps} steps of {args.batch}, {args.procs} process(es)")  # fmt: skip
+    losses, step_s = _timed_train(model, configs, args)
+    _, plain_s = _timed_train(plain, configs, args)
+    rows = {"loss (first 10 steps -> last 10)": f"{sum(losses[:10]) / 10:.4f} -> {sum(losses[-10:]) / 10:.4f}"}
+    groups = len(model.embeddings._groups)
+    rows["lookups per step"] = f"{groups} kernel(s) for {args.tables} tables (one per group of alike tables)"
+    rows["time per step (median)"] = f"{step_s * 1e3:.1f} ms (unsharded tables: {plain_s * 1e3:.1f} ms)"
+    dense, ids, _ = batch(configs, 64, 10_000)
+    with torch.no_grad():
+        reference = model(dense, ids)
+        rows["collection vs unsharded model"] = f"max |diff| = {float((reference - plain(dense, ids)).abs().max()):.1e}"
+    with checkpoint_dir(args) as path:
+        diff = _checkpoint_and_restore(args, path, configs, model, losses, rows, (dense, ids, reference))
+    print_table(["summary", ""], [[k, v] for k, v in rows.items()])
     ok = diff <= 1e-5 and losses[-1] == losses[-1]
     if not ok:
         print("shardvar demo: FAILED (restored predictions differ)")

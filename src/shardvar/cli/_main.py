@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from .. import __version__
 from ._bench import add_bench_parser
 from ._checkpoint import add_checkpoint_parsers
 from ._demo import add_demo_parser
@@ -14,7 +15,8 @@ from ._plan import add_plan_parser
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardvar", description="Partitioned variables for PyTorch.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
     add_demo_parser(sub)
     add_bench_parser(sub)
     add_plan_parser(sub)
@@ -23,7 +25,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        # A bare `shardvar` asks what it can do: the help with the list of commands, and nothing failed.
+        parser.print_help()
+        return 0
     return int(args.func(args) or 0)
 
 

@@ -15,7 +15,7 @@ from ..partitioners import (
     PartitionerConfig,
     element_size,
 )
-from ._table import format_bytes, format_sizes, render_table
+from ._console import format_bytes, format_sizes, print_table
 
 __all__ = ["add_plan_parser"]
 
@@ -109,13 +109,13 @@ def run_planner(args: argparse.Namespace) -> int:
     except ShardvarError as e:
         raise SystemExit(f"shardvar plan: {e}") from None
     print(f"Plan for {len(shapes)} {args.dtype} variables over {len(args.device)} devices:\n")
-    print(result.table())
+    print_table(result.HEADERS, result.rows())
     print()
     rows = [
         [n, "x".join(map(str, shapes[n])), format_sizes(result.strategy[n].partitioner.sizes), ", ".join(d)]
         for n, d in result.placement.items()
     ]
-    print(render_table(["variable", "shape", "rows per shard", "devices"], rows))
+    print_table(["variable", "shape", "rows per shard", "devices"], rows)
     if args.png:
         print(f"\nshard map written to {args.png}")
     return 0
@@ -143,7 +143,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 ]
             )
     print(f"How the partitioners split {args.dtype} variables along axis {args.axis}:\n")
-    print(render_table(["shape", "partitioner", "partitions", "rows per shard", "largest shard"], rows))
+    print_table(["shape", "partitioner", "partitions", "rows per shard", "largest shard"], rows)
     return 0
 
 

@@ -26,17 +26,25 @@ class Plan:
     load: dict[str, float] = field(default_factory=dict)
     shard_bytes: dict[str, list[int]] = field(default_factory=dict)
 
-    def table(self) -> str:
-        lines = [f"{'device':<12} {'budget':>11} {'used':>11} {'use':>6} {'lookups':>8}  shards"]
+    HEADERS = ("device", "budget", "used", "use", "lookups", "shards")
+
+    def rows(self) -> list[list[str]]:
+        """One row per device under :attr:`HEADERS`: its budget, bytes used, share of lookups, shards."""
+        rows = []
         for d, budget in self.budgets.items():
             shards = [f"{name}[{s}]" for name, where in self.placement.items() for s, x in enumerate(where) if x == d]
-            share = f"{self.load.get(d, 0.0):7.1%}" if self.load else "      -"
+            share = f"{self.load.get(d, 0.0):.1%}" if self.load else "-"
             used = self.used.get(d, 0)
-            lines.append(
-                f"{d:<12} {format_bytes(budget):>11} {format_bytes(used):>11} {used / budget:6.1%} "
-                f"{share:>8}  {_summary(shards)}"
-            )
-        return "\n".join(lines)
+            rows.append([d, format_bytes(budget), format_bytes(used), f"{used / budget:.1%}", share, _summary(shards)])
+        return rows
+
+    def table(self) -> str:
+        widths = (-12, 11, 11, 6, 8, 0)  # negative: left-aligned
+        lines = [
+            " ".join(f"{c:<{-w}}" if w < 0 else f"{c:>{w}}" for c, w in zip(r, widths, strict=True))
+            for r in [list(self.HEADERS), *self.rows()]
+        ]
+        return "\n".join(line.rstrip() for line in lines)
 
     def __str__(self) -> str:
         return self.table()
