@@ -17,18 +17,14 @@ from torch import nn
 
 from .._errors import CheckpointError, ShardvarTypeError
 from ..nn import sharded_parameters
+from ..variables import ShardsView
 
 __all__ = ["Partial", "State", "as_partial", "resolve", "param_names"]
 
 
-@dataclass
-class Partial:
-    """A logical variable's layout and the shards of it this process holds, by shard index."""
-
-    layout: Any
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    shards: dict[int, torch.Tensor]
+# A logical variable's layout and the shards of it this process holds, by shard index: the
+# record the variables layer already has for optimizer slots and collections.
+Partial = ShardsView
 
 
 def as_partial(value: Any) -> Partial | None:

@@ -73,6 +73,8 @@ def save(
     ``delta_of`` each rank writes the rows of its shards that changed since that checkpoint.
     """
     coordinator = _coordinator(group, timeout, background=bool(asynchronous))
+    # shardvar.save's own arguments passed on by name (alike in shape to other pass-throughs);
+    # the signature above is shardvar.save's plus the group's, as a distributed twin's must be.
     return _save(
         state_dict,
         path,

@@ -148,6 +148,8 @@ class DistributedEmbeddingBagCollection(nn.Module):
                 first += layout.num_shards
         return out
 
+    # EmbeddingBagCollection.forward's signature, so `duplicates` pairs the two: a collection and
+    # its distributed twin take the same inputs. No rule is repeated past the signature.
     def forward(
         self,
         features: dict[str, Any] | KeyedJagged,

@@ -32,6 +32,7 @@ class _Distributed:
         dtype: torch.dtype = torch.float32,
         **options: Any,
     ) -> None:
+        # The options passed on by name (alike in shape to other pass-throughs, not a shared rule).
         store = distributed_store(
             (num_embeddings, embedding_dim),
             partitioner,

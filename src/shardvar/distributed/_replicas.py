@@ -26,6 +26,8 @@ from ._comm import Comm
 __all__ = ["Replicas"]
 
 
+# forward / setup_context / backward as torch.autograd.Function wants them: alike in shape to
+# variables._autograd's Functions, sharing no rule with them.
 class _SummedGrad(torch.autograd.Function):
     """Identity forward; backward sums the gradient over the ranks (dense, or sparse over the touched rows)."""
 

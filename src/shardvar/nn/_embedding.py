@@ -12,11 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._errors import ShardvarTypeError, ShardvarValueError
+from .._errors import ShardvarValueError
 from .._validate import check_bool, check_choice, check_int, check_number
 from ..layout import Layout
-from ..variables import ShardedVariable, ShardStore, functional, to_layout
-from ._state_dict import FORMS, check_not_assign, load_logical, save_logical
+from ..variables import ShardStore, functional, to_layout
+from ._sharded_weight import ShardedWeight
 
 __all__ = ["ShardedEmbedding", "ShardedEmbeddingBag"]
 
@@ -34,7 +34,7 @@ def _initial_weight(
     return weight.detach().to(device=device or weight.device, dtype=dtype or weight.dtype)
 
 
-class _ShardedTable(nn.Module):
+class _ShardedTable(ShardedWeight):
     """The shards of one ``[num_embeddings, embedding_dim]`` table, as nn.Parameters ``shard_<i>``.
 
     The concrete modules also subclass ``nn.Embedding`` / ``nn.EmbeddingBag`` (without their
@@ -42,6 +42,8 @@ class _ShardedTable(nn.Module):
     initialisers that fill ``module.weight.data``) treats them as one.
     """
 
+    # nn.Embedding's signature plus the layout's arguments, as DynamicEmbedding's and (for
+    # nn.Linear) ShardedLinear's are: alike in shape because each is a drop-in for a torch module.
     def __init__(
         self,
         num_embeddings: int,
@@ -86,78 +88,11 @@ class _ShardedTable(nn.Module):
             )
         for p in _store.local_shards().values():
             p.requires_grad_(not check_bool(_freeze, "freeze"))
-        self._store = _store
-        for s, p in _store.local_shards().items():
-            self.register_parameter(f"shard_{s}", p)
-        self._register_state_dict_hook(_logical_state_dict)
-        self._register_load_state_dict_pre_hook(_load_logical_weight, with_module=True)
-
-    # "logical": state_dict() holds ``weight``, the whole table, as nn.Embedding's does; "sharded":
-    # one entry per shard (``shard_<i>``), for tables too large to materialise. load_state_dict
-    # accepts either form whatever this is set to.
-    state_dict_form: str = "logical"
-
-    def set_state_dict_form(self, form: str) -> None:
-        """``"logical"`` (default: key ``weight``, as nn.Embedding) or ``"sharded"`` (keys ``shard_<i>``)."""
-        self.state_dict_form = check_choice(form, "form", FORMS)
-
-    def _shard_params(self) -> dict[int, torch.Tensor]:
-        return {int(name[6:]): p for name, p in self._parameters.items() if name.startswith("shard_")}
-
-    @property
-    def shards(self) -> tuple[torch.Tensor, ...]:
-        """This module's shard parameters, in shard order (for a distributed module: this rank's)."""
-        return tuple(p for _, p in sorted(self._shard_params().items()))
-
-    @property
-    def store(self) -> ShardStore:
-        """The store over this module's shard parameters (rebuilt if they were replaced or moved)."""
-        registered = self._parameters
-        if self.__dict__.get("_registered_store") is not self._store:
-            self._registered = [(f"shard_{s}", t) for s, t in self._store.local_shards().items()]
-            self._registered_store = self._store
-        if any(registered.get(name) is not t for name, t in self._registered):
-            exchange = self._store.exchange  # a shard Parameter was replaced: rebuild over the new ones
-            self._store = ShardStore(self.layout, self._store.shape, self._shard_params())
-            self._store.exchange = exchange
-        return self._store.refresh()
-
-    @property
-    def weight(self) -> ShardedVariable:
-        """The table as one ShardedVariable over this module's shard parameters."""
-        return ShardedVariable.from_store(self.store, name="weight")
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "weight" and "_store" in self.__dict__:
-            self._set_weight(value)
-            return
-        super().__setattr__(name, value)
-
-    def _set_weight(self, value: Any) -> None:
-        """``module.weight = v``: tie to another ShardedVariable's shards (same layout), else refuse."""
-        store = getattr(value, "store", None)
-        if (
-            isinstance(store, ShardStore)
-            and store.layout == self.layout
-            and tuple(store.shape) == tuple(self._store.shape)
-        ):
-            for s, p in store.local_shards().items():
-                if not isinstance(p, nn.Parameter):
-                    raise ShardvarTypeError(f"shard {s} of the assigned variable is not an nn.Parameter")
-                self.register_parameter(f"shard_{s}", p)  # the same Parameters: tied
-            return
-        raise ShardvarTypeError(
-            f"cannot replace the sharded weight of {type(self).__name__} with {type(value).__name__}: use "
-            "module.weight.data = tensor to copy values in, or assign a ShardedVariable of the same layout to tie"
-        )
+        self._adopt(_store)
 
     def _fill_padding_idx_with_zero(self) -> None:
         if self.padding_idx is not None:
             self.weight[self.padding_idx] = 0
-
-    def sharded_variables(self) -> dict[str, ShardedVariable]:
-        """The module's sharded parameters by local name (checkpoints store each as one variable)."""
-        return {"weight": self.weight}
 
     def reset_parameters(self) -> None:
         weight = torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.store.dtype)
@@ -189,27 +124,6 @@ class _ShardedTable(nn.Module):
         return cls(*embeddings.shape, _weight=embeddings, _freeze=freeze, **kwargs)
 
 
-def _logical_state_dict(module: _ShardedTable, state: dict, prefix: str, local_metadata: dict) -> None:
-    if module.state_dict_form == "logical":
-        save_logical(state, prefix, "weight", module.weight, [f"shard_{s}" for s in module._shard_params()])
-
-
-def _load_logical_weight(
-    module: _ShardedTable,
-    state: dict,
-    prefix: str,
-    local_metadata: dict,
-    strict: bool,
-    missing_keys: list,
-    unexpected_keys: list,
-    error_msgs: list,
-) -> None:
-    """Load ``weight`` (the whole table) by splitting it into the ``shard_<i>`` entries the shards load."""
-    check_not_assign(local_metadata, prefix, "weight")  # new Parameters would untie every other user
-    shard_keys = {s: f"shard_{s}" for s in module._shard_params()}
-    load_logical(state, prefix, "weight", module.weight, shard_keys, missing_keys, error_msgs)
-
-
 class ShardedEmbedding(_ShardedTable, nn.Embedding):
     """``nn.Embedding`` whose table is split into shards by a partitioner, config or shard count.
 
@@ -236,6 +150,9 @@ class ShardedEmbedding(_ShardedTable, nn.Embedding):
 class ShardedEmbeddingBag(_ShardedTable, nn.EmbeddingBag):
     """``nn.EmbeddingBag`` (modes sum, mean, max) over a sharded table."""
 
+    # Alike in shape to _ShardedTable's signature (`duplicates` pairs them), on purpose: a drop-in
+    # takes nn.EmbeddingBag's positional order (mode before sparse, padding_idx last), which is
+    # not nn.Embedding's; every rule past the signature is the base class's.
     def __init__(
         self,
         num_embeddings: int,
@@ -271,6 +188,7 @@ class ShardedEmbeddingBag(_ShardedTable, nn.EmbeddingBag):
     def forward(
         self, input: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: torch.Tensor | None = None
     ) -> torch.Tensor:
+        # Every option passed on by name: alike in shape to other keyword pass-throughs, not a rule.
         return functional.embedding_bag(
             self.store,
             input,

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._errors import ShardvarTypeError, ShardvarValueError
-from .._validate import check_bool, check_choice, check_int
+from .._validate import check_bool, check_int
 from ..layout import Layout
 from ..variables import ShardedVariable, ShardStore, functional, to_layout
-from ._state_dict import FORMS, check_not_assign, load_logical, reorder, save_logical
+from ._sharded_weight import ShardedWeight
 
 __all__ = ["ShardedLinear"]
 
@@ -40,7 +40,7 @@ def _initial_bias(out_features: int, in_features: int, device: Any, dtype: Any) 
     return bias
 
 
-class ShardedLinear(nn.Linear):
+class ShardedLinear(ShardedWeight, nn.Linear):
     """``nn.Linear`` whose weight is split into shards by output features.
 
     ``weight=`` a ShardedVariable of shape ``[out_features, in_features]`` split along axis 0
@@ -52,6 +52,8 @@ class ShardedLinear(nn.Linear):
     (torch.Size([2, 10]), ['weight', 'bias'])
     """
 
+    # nn.Linear's signature plus the layout's arguments, alike in shape to the embedding tables'
+    # (each a drop-in for its torch module); the weight's rules are ShardedWeight's.
     def __init__(
         self,
         in_features: int,
@@ -83,11 +85,7 @@ class ShardedLinear(nn.Linear):
                 f"ShardedLinear's weight is split by output features (axis 0) with shape {list(shape)}, all shards "
                 f"local; got shape {list(store.shape)}, layout {store.layout}"
             )
-        for s, p in store.local_shards().items():
-            if not isinstance(p, nn.Parameter):
-                raise ShardvarTypeError(f"shard {s} of the weight is not an nn.Parameter")
-            self.register_parameter(f"shard_{s}", p)
-        self._store = store
+        self._adopt(store)
         if isinstance(bias, nn.Parameter):
             self.bias = bias  # an existing bias, kept as the same Parameter (ties survive)
         elif check_bool(bias, "bias"):
@@ -95,8 +93,6 @@ class ShardedLinear(nn.Linear):
             self.bias = nn.Parameter(_initial_bias(*shape, first, store.dtype))
         else:
             self.register_parameter("bias", None)
-        self._register_state_dict_hook(_save_hook)
-        self._register_load_state_dict_pre_hook(_load_hook, with_module=True)
 
     @classmethod
     def from_linear(
@@ -115,55 +111,11 @@ class ShardedLinear(nn.Linear):
         bias = linear.bias if linear.bias is not None else False
         return cls(linear.in_features, linear.out_features, bias, weight=ShardedVariable.from_store(store))
 
-    # -- the weight ---------------------------------------------------------------------------
-    state_dict_form: str = "logical"
-
-    def set_state_dict_form(self, form: str) -> None:
-        """``"logical"`` (default: key ``weight``, as nn.Linear) or ``"sharded"`` (keys ``shard_<i>``)."""
-        self.state_dict_form = check_choice(form, "form", FORMS)
+    _state_order = ("weight", "bias")  # nn.Linear's
 
     @property
     def layout(self) -> Layout:
         return self._store.layout
-
-    @property
-    def store(self) -> ShardStore:
-        """The store over this module's shard parameters (rebuilt if they were replaced or moved)."""
-        shards = {int(n[6:]): p for n, p in self._parameters.items() if n.startswith("shard_")}
-        if any(self._store.local_shards().get(s) is not p for s, p in shards.items()):
-            self._store = ShardStore(self._store.layout, self._store.shape, shards)
-        return self._store.refresh()
-
-    @property
-    def weight(self) -> ShardedVariable:
-        """The weight as one ShardedVariable over this module's shard parameters."""
-        return ShardedVariable.from_store(self.store, name="weight")
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "weight" and "_store" in self.__dict__:
-            self._tie(value)
-            return
-        super().__setattr__(name, value)
-
-    def _tie(self, value: Any) -> None:
-        """``module.weight = v``: share another ShardedVariable's shards (same layout and shape), else refuse."""
-        store = getattr(value, "store", None)
-        if not (isinstance(store, ShardStore) and store.layout == self.layout and store.shape == self._store.shape):
-            raise ShardvarTypeError(
-                f"cannot replace the sharded weight of ShardedLinear with {type(value).__name__}: assign a "
-                "ShardedVariable of the same layout and shape to tie, or module.weight.assign(tensor) to copy values"
-            )
-        shards = store.local_shards()
-        bad = [s for s, p in shards.items() if not isinstance(p, nn.Parameter)]
-        if bad:
-            raise ShardvarTypeError(f"shard {bad[0]} of the assigned variable is not an nn.Parameter")
-        for s, p in shards.items():
-            self.register_parameter(f"shard_{s}", p)
-        self._store = store
-
-    def sharded_variables(self) -> dict[str, ShardedVariable]:
-        """The sharded weight by local name (checkpoints store it as one logical variable)."""
-        return {"weight": self.weight}
 
     def reset_parameters(self) -> None:
         self.weight.assign(_initial_weight(self.out_features, self.in_features, None, self.store.dtype))
@@ -197,28 +149,3 @@ class ShardedLinear(nn.Linear):
     def extra_repr(self) -> str:
         bias = self.bias is not None
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}, layout={self.layout}"
-
-
-def _shard_keys(module: ShardedLinear) -> dict[int, str]:
-    return {s: f"shard_{s}" for s in module._store.local_shards()}
-
-
-def _save_hook(module: ShardedLinear, state: dict, prefix: str, local_metadata: dict) -> None:
-    if module.state_dict_form != "logical":
-        return
-    save_logical(state, prefix, "weight", module.weight, list(_shard_keys(module).values()))
-    reorder(state, prefix, ["weight", "bias"])
-
-
-def _load_hook(
-    module: ShardedLinear,
-    state: dict,
-    prefix: str,
-    local_metadata: dict,
-    strict: bool,
-    missing_keys: list,
-    unexpected_keys: list,
-    error_msgs: list,
-) -> None:
-    check_not_assign(local_metadata, prefix, "weight")
-    load_logical(state, prefix, "weight", module.weight, _shard_keys(module), missing_keys, error_msgs)

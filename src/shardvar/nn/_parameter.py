@@ -23,7 +23,7 @@ from .._errors import ShardvarTypeError, ShardvarValueError
 from .._validate import check_choice
 from ..layout import Layout
 from ..variables import ShardedVariable, ShardStore, to_layout
-from ._state_dict import FORMS, check_not_assign, load_logical, reorder, save_logical
+from ._state_dict import FORMS, register_logical_hooks
 
 __all__ = ["ShardsParametrization", "shard_parameter", "sharded_parameters", "set_state_dict_form"]
 
@@ -173,8 +173,7 @@ def shard_parameter(
         plist.register_parameter(f"original{s}", t)  # the store's own Parameters (shared when tied)
     if "_shardvar_owner" not in module.__dict__:
         module._shardvar_owner = owner
-        module._register_state_dict_hook(_save_hook)
-        module._register_load_state_dict_pre_hook(_load_hook, with_module=True)
+        register_logical_hooks(module, _parametrized_state)
     return ShardedVariable.from_store(store, name=name)
 
 
@@ -212,25 +211,6 @@ def _shard_keys(variable: ShardedVariable) -> dict[int, str]:
     return {s: f"parametrizations.{variable.name}.original{s}" for s in range(variable.layout.num_shards)}
 
 
-def _save_hook(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
+def _parametrized_state(module: nn.Module) -> tuple[str, list[str], dict]:
     owner: _Owner = module._shardvar_owner
-    if owner.form != "logical":
-        return
-    for name, variable in _own(module).items():
-        save_logical(state, prefix, name, variable, list(_shard_keys(variable).values()))
-    reorder(state, prefix, owner.order)
-
-
-def _load_hook(
-    module: nn.Module,
-    state: dict,
-    prefix: str,
-    local_metadata: dict,
-    strict: bool,
-    missing_keys: list,
-    unexpected_keys: list,
-    error_msgs: list,
-) -> None:
-    for name, variable in _own(module).items():
-        check_not_assign(local_metadata, prefix, name)
-        load_logical(state, prefix, name, variable, _shard_keys(variable), missing_keys, error_msgs)
+    return owner.form, owner.order, {name: (v, _shard_keys(v)) for name, v in _own(module).items()}

@@ -8,14 +8,16 @@ one implementation; ShardedEmbedding(Bag), ShardedLinear and ``shard_parameter``
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
+from torch import nn
 
 from .._errors import ShardvarValueError
 from ..variables import ShardedVariable
 
-__all__ = ["FORMS", "save_logical", "load_logical", "reorder", "check_not_assign"]
+__all__ = ["FORMS", "save_logical", "load_logical", "reorder", "check_not_assign", "register_logical_hooks"]
 
 FORMS = ("logical", "sharded")
 
@@ -89,3 +91,45 @@ def reorder(state: dict, prefix: str, order: Sequence[str]) -> None:
     entries = {k: state.pop(k) for k in keys}
     for key in sorted(keys, key=lambda k: rank.get(k, len(order))):
         state[key] = entries[key]
+
+
+# module -> (its state_dict form, its unsharded key order or None, {name: (variable, {shard: its key})})
+LogicalState = Callable[
+    [nn.Module], tuple[str, Sequence[str] | None, dict[str, tuple[ShardedVariable, dict[int, str]]]]
+]
+
+
+def register_logical_hooks(module: nn.Module, state: LogicalState) -> None:
+    """Make ``module``'s state_dict speak the logical form of the variables ``state(module)`` names.
+
+    The hooks are module-level functions bound with ``functools.partial`` to a module-level
+    ``state``, so a module pickles and deep-copies with them.
+    """
+    module._register_state_dict_hook(functools.partial(_save_hook, state))
+    module._register_load_state_dict_pre_hook(functools.partial(_load_hook, state), with_module=True)
+
+
+def _save_hook(state: LogicalState, module: nn.Module, out: dict, prefix: str, local_metadata: dict) -> None:
+    form, order, variables = state(module)
+    if form != "logical":
+        return
+    for name, (variable, keys) in variables.items():
+        save_logical(out, prefix, name, variable, list(keys.values()))
+    if order is not None:
+        reorder(out, prefix, order)
+
+
+def _load_hook(
+    state: LogicalState,
+    module: nn.Module,
+    incoming: dict,
+    prefix: str,
+    local_metadata: dict,
+    strict: bool,
+    missing_keys: list,
+    unexpected_keys: list,
+    error_msgs: list,
+) -> None:
+    for name, (variable, keys) in state(module)[2].items():
+        check_not_assign(local_metadata, prefix, name)  # new Parameters would untie every other user
+        load_logical(incoming, prefix, name, variable, keys, missing_keys, error_msgs)
