@@ -180,6 +180,28 @@ def test_demo_trains_checkpoints_and_restores(tmp_path) -> None:
     assert out.stderr == "", out.stderr  # no warnings, no progress bar off a terminal
 
 
+def test_demo_times_its_twins_interleaved() -> None:
+    import argparse
+
+    from torch import nn
+
+    from shardvar.cli._demo_model import Clicks, RecModel, step_summary, train_twins
+
+    order: list[int] = []
+    models = []
+    for k in range(2):
+        model = RecModel(nn.Embedding(50, 4), nn.Embedding(20, 4), 4)
+        model.register_forward_pre_hook(lambda module, inputs, k=k: order.append(k))
+        models.append(model)
+    args = argparse.Namespace(lr=0.01, seed=0, steps=6, batch=8, progress=False)
+    losses, seconds = train_twins((models[0], models[1]), Clicks(50, 20, 0), args)
+    assert order == [0, 1, 1, 0] * 3  # a step of each in turn, the order alternating
+    assert len(losses) == 6 and [len(s) for s in seconds] == [6, 6]
+    rows = step_summary(([0.010, 0.012, 0.011, 0.030] * 5, [0.020] * 20), warmup=0, block=10)
+    assert rows["time per step, sharded"] == "11.5 ms (middle half 10.2-25.5)"
+    assert rows["sharded / unsharded, interleaved"] == "0.57x (median of 20 steps each; per 10 steps 0.57-0.57x)"
+
+
 def test_demo_on_two_processes(tmp_path) -> None:
     out = run(
         "demo",
