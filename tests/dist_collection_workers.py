@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import shardvar
-from shardvar import TableConfig
+from shardvar import KeyedJagged, TableConfig
 from shardvar.distributed import DistributedEmbeddingBag, DistributedEmbeddingBagCollection
 from shardvar.variables import RowInitializer
 
@@ -80,3 +80,58 @@ def auto_placement(rank: int, world: int) -> dict:
         "replicated": sorted(ebc.replicas.configs),
         "shapes": {k: tuple(v.shape) for k, v in out.items()},
     }
+
+
+def bad_jagged() -> dict[str, tuple[dict, type, str]]:
+    """Every kind of KeyedJagged that would lose data, as (fields, error, match), over tables "0" and "1"."""
+    keys, values, lengths = ("0", "1"), torch.tensor([1, 2, 3, 4, 5]), torch.tensor([[2, 1], [0, 2]])
+
+    def case(error: type, match: str, **changed: object) -> tuple[dict, type, str]:
+        return {"keys": keys, "values": values, "lengths": lengths, "weights": None, **changed}, error, match
+
+    return {
+        "duplicate key": case(ValueError, "keys must be unique; '0' is given 2 times", keys=("0", "0")),
+        "key not a string": case(TypeError, r"keys must be strings .*got 1 \(int\) at 1", keys=("0", 1)),
+        "keys a string": case(TypeError, "keys must be a tuple or list", keys="01"),
+        "float values": case(TypeError, "values must be integer ids; got dtype torch.float32", values=values.float()),
+        "2-D values": case(ValueError, r"values must be 1-D .*got shape \[5, 1\]", values=values[:, None]),
+        "float lengths": case(TypeError, "lengths must be an integer tensor; got dtype", lengths=lengths.double()),
+        "1-D lengths": case(
+            ValueError, r"lengths must be \[2 keys, batch\]; got shape \[4\]", lengths=lengths.reshape(-1)
+        ),
+        "lengths for 3 keys": case(ValueError, r"got shape \[3, 2\]", lengths=torch.tensor([[2, 1], [0, 2], [0, 0]])),
+        "negative length": case(
+            ValueError, "lengths must be >= 0; got -1 for key '1', bag 0", lengths=torch.tensor([[2, 2], [-1, 2]])
+        ),
+        "lengths not adding up": case(
+            ValueError, "lengths add up to 6 ids; values holds 5", lengths=torch.tensor([[2, 2], [0, 2]])
+        ),
+        "short weights": case(ValueError, r"values holds 5 ids; weights has shape \[4\] \(4\)", weights=torch.ones(4)),
+        "2-D weights": case(ValueError, r"weights has shape \[5, 1\]", weights=torch.ones(5, 1)),
+        "integer weights": case(
+            TypeError, "weights must be a floating tensor", weights=torch.ones(5, dtype=torch.int64)
+        ),
+    }
+
+
+def unchecked(fields: dict) -> KeyedJagged:
+    """A KeyedJagged that skipped its construction checks, as an unpickled or in-place-edited one has."""
+    jagged = object.__new__(KeyedJagged)
+    for name, value in fields.items():
+        object.__setattr__(jagged, name, value)
+    return jagged
+
+
+def refuse_bad_jagged(rank: int, world: int) -> dict:
+    """Each bad kind refused on every rank before any collective; a good batch still runs afterwards."""
+    ebc = DistributedEmbeddingBagCollection(
+        {"0": TableConfig(7, 4, 2, "mod"), "1": TableConfig(7, 4)}, placement={"1": "replicate"}
+    )
+    errors = {}
+    for kind, (fields, _, _) in bad_jagged().items():
+        try:
+            ebc(unchecked(fields))
+        except Exception as e:  # the test checks the class and message
+            errors[kind] = ([c.__name__ for c in type(e).__mro__], str(e))
+    out = ebc(KeyedJagged(("0", "1"), torch.tensor([1, 2, 3, 4, 5]), torch.tensor([[2, 1], [0, 2]])))
+    return {"errors": errors, "shapes": {k: tuple(v.shape) for k, v in out.items()}}

@@ -25,6 +25,7 @@ from ..layout import as_ids, check_ids
 from ..variables import ShardedVariable
 from ..variables._functional import _check_bag, slab_weight
 from ._embedding import ShardedEmbeddingBag
+from ._jagged import KeyedJagged
 
 __all__ = ["EmbeddingBagCollection", "TableConfig", "KeyedJagged"]
 
@@ -38,32 +39,6 @@ class TableConfig:
     partitioner: Any = 1
     partition_strategy: str = "div"
     mode: str = "sum"
-
-
-@dataclass(frozen=True)
-class KeyedJagged:
-    """Ids of several features as one jagged batch: ``values`` of key k are ``lengths[k]`` per bag.
-
-    ``lengths`` is ``[len(keys), batch]``; ``weights`` (optional) are per-id weights for sum bags.
-    """
-
-    keys: tuple[str, ...]
-    values: torch.Tensor
-    lengths: torch.Tensor
-    weights: torch.Tensor | None = None
-
-    def split(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Per key: (ids, offsets, weights)."""
-        lengths = torch.as_tensor(self.lengths)
-        if lengths.dim() != 2 or lengths.shape[0] != len(self.keys):
-            raise ShardvarValueError(f"lengths must be [{len(self.keys)} keys, batch]; got {list(lengths.shape)}")
-        per_key = lengths.sum(1).tolist()
-        if sum(per_key) != self.values.numel():
-            raise ShardvarValueError(f"lengths add up to {sum(per_key)} ids; values holds {self.values.numel()}")
-        ids = dict(zip(self.keys, self.values.split(per_key), strict=True))
-        offsets = {k: torch.cumsum(row, 0) - row for k, row in zip(self.keys, lengths, strict=True)}
-        weights = {} if self.weights is None else dict(zip(self.keys, self.weights.split(per_key), strict=True))
-        return ids, offsets, weights
 
 
 def _as_bags(name: str, ids: Any, offsets: Any) -> tuple[torch.Tensor, torch.Tensor]:
