@@ -122,16 +122,25 @@ def unchecked(fields: dict) -> KeyedJagged:
     return jagged
 
 
-def refuse_bad_jagged(rank: int, world: int) -> dict:
-    """Each bad kind refused on every rank before any collective; a good batch still runs afterwards."""
-    ebc = DistributedEmbeddingBagCollection(
-        {"0": TableConfig(7, 4, 2, "mod"), "1": TableConfig(7, 4)}, placement={"1": "replicate"}
-    )
+MIXED = {"0": TableConfig(7, 4, 2, "mod"), "1": TableConfig(7, 4), "2": TableConfig(6, 6, 2), "3": TableConfig(5, 4)}
+
+
+def mixed_batch(rank: int) -> tuple[dict, dict, dict]:
+    """Ids and offsets of every MIXED table, weights for tables "0" (grouped with "1") and "2" (alone) only."""
+    g = torch.Generator().manual_seed(rank)
+    ids = {k: torch.randint(0, c.num_embeddings, (6,), generator=g) for k, c in MIXED.items()}
+    offsets = {k: torch.tensor([0, 2, 2]) for k in MIXED}
+    return ids, offsets, {k: torch.rand(6, generator=g) for k in ("0", "2")}
+
+
+def jagged_inputs(rank: int, world: int) -> dict:
+    """Each bad kind refused on every rank before any collective; then weights for some features only."""
+    ebc = DistributedEmbeddingBagCollection(MIXED, placement={"3": "replicate"}, initializer=RowInitializer(5))
     errors = {}
     for kind, (fields, _, _) in bad_jagged().items():
         try:
             ebc(unchecked(fields))
         except Exception as e:  # the test checks the class and message
             errors[kind] = ([c.__name__ for c in type(e).__mro__], str(e))
-    out = ebc(KeyedJagged(("0", "1"), torch.tensor([1, 2, 3, 4, 5]), torch.tensor([[2, 1], [0, 2]])))
-    return {"errors": errors, "shapes": {k: tuple(v.shape) for k, v in out.items()}}
+    out = ebc(*mixed_batch(rank))
+    return {"errors": errors, "groups": ebc.groups, "weighted": {k: v.detach() for k, v in out.items()}}

@@ -22,7 +22,7 @@ from .._errors import ShardvarTypeError, ShardvarValueError
 from .._validate import check_choice
 from ..layout import Layout
 from ..nn import KeyedJagged, TableConfig
-from ..nn._collection import pack
+from ..nn._collection import pack, split_inputs
 from ..variables import RowInitializer, ShardsView
 from ..variables._create import to_layout
 from ._comm import DEFAULT_TIMEOUT, Comm
@@ -155,16 +155,16 @@ class DistributedEmbeddingBagCollection(nn.Module):
         per_sample_weights: dict[str, Any] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Bags per table. Collective: every rank calls it, with a feature for every table."""
-        if isinstance(features, KeyedJagged):
-            features, offsets, per_sample_weights = features.split()
-        if not isinstance(features, dict) or set(features) != set(self.configs) | set(self.replicas.configs):
-            got = sorted(features) if isinstance(features, dict) else type(features).__name__
-            raise ShardvarValueError(f"every rank gives a feature for every table {sorted(self.configs)}; got {got}")
-        offsets, weights = offsets or {}, per_sample_weights or {}
+        modes = {n: c.mode for n, c in (self.configs | self.replicas.configs).items()}
+        features, offsets, weights = split_inputs(features, offsets, per_sample_weights, modes)
+        if set(features) != set(modes):
+            raise ShardvarValueError(
+                f"every rank gives a feature for every table {sorted(self.configs)}; got {sorted(features)}"
+            )
         out: dict[str, torch.Tensor] = self.replicas(features, offsets, weights)
         for names, bag in zip(self.groups, self.bags, strict=True):
             rows, offs, psw, counts = pack(
-                names, self.layouts, self.starts, bag.mode, bag.store.dtype, features, offsets, weights
+                names, self.layouts, self.starts, bag.store.dtype, features, offsets, weights
             )
             out.update(zip(names, bag(rows, offs, per_sample_weights=psw).split(counts), strict=True))
         return {n: out[n] for n in features}

@@ -85,7 +85,7 @@ class Replicas:
             store, mode = variable.store, self.configs[names[0]].mode
             layouts = {n: Layout.div(self.configs[n].num_embeddings, 1) for n in names}
             starts = dict(zip(names, store.layout.offsets, strict=False))
-            rows, offs, psw, counts = pack(names, layouts, starts, mode, store.dtype, features, offsets, weights)
+            rows, offs, psw, counts = pack(names, layouts, starts, store.dtype, features, offsets, weights)
             weight = _SummedGrad.apply(slab_weight(store), self.comm)
             pooled = F.embedding_bag(rows, weight, offs, mode=mode, sparse=self.sparse, per_sample_weights=psw)
             out.update(zip(names, pooled.split(counts), strict=True))

@@ -152,6 +152,25 @@ def lookup_tables(
     per_sample_weights: dict[str, Any] | None,
 ) -> dict[str, torch.Tensor]:
     """Bags of each feature, one kernel per group of :func:`batch_tables`; everything checked first."""
+    features, offsets, weights = split_inputs(
+        features, offsets, per_sample_weights, {n: b.mode for n, b in bags.items()}
+    )
+    out: dict[str, torch.Tensor] = {}
+    for names, variable in groups:
+        present = [n for n in names if n in features]
+        if present:
+            out.update(_lookup_group(bags, present, names, variable, features, offsets, weights))
+    return {n: out[n] for n in features}
+
+
+def split_inputs(
+    features: Any, offsets: Any, per_sample_weights: Any, modes: Mapping[str, str]
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(ids, offsets, weights) by feature, from dicts or a KeyedJagged, checked against the tables' modes.
+
+    Whatever the grouping of the tables, weights given for some features weight those and the
+    others pool unweighted; offsets or weights for a feature without ids are refused.
+    """
     if isinstance(features, KeyedJagged):
         if offsets is not None or per_sample_weights is not None:
             raise ShardvarValueError("a KeyedJagged carries its own lengths and weights")
@@ -160,16 +179,23 @@ def lookup_tables(
         raise ShardvarTypeError(
             f"features must be a dict of name -> ids, or a KeyedJagged; got {type(features).__name__}"
         )
-    unknown = sorted(set(features) - set(bags), key=str)
+    unknown = sorted(set(features) - set(modes), key=str)
     if unknown:
-        raise ShardvarValueError(f"no table named {unknown}; the tables are {list(bags)}")
-    offsets, weights = offsets or {}, per_sample_weights or {}
-    out: dict[str, torch.Tensor] = {}
-    for names, variable in groups:
-        present = [n for n in names if n in features]
-        if present:
-            out.update(_lookup_group(bags, present, names, variable, features, offsets, weights))
-    return {n: out[n] for n in features}
+        raise ShardvarValueError(f"no table named {unknown}; the tables are {list(modes)}")
+    given = {"offsets": offsets or {}, "per_sample_weights": per_sample_weights or {}}
+    for what, by_name in given.items():
+        if not isinstance(by_name, dict):
+            raise ShardvarTypeError(f"{what} must be a dict of name -> tensor; got {type(by_name).__name__}")
+        stray = sorted(set(by_name) - set(features), key=str)
+        if stray:
+            raise ShardvarValueError(f"{what} given for {stray}, which have no ids; the features are {list(features)}")
+    unsummed = [n for n in given["per_sample_weights"] if modes[n] != "sum"]
+    if unsummed:
+        raise ShardvarValueError(
+            f"per_sample_weights go with mode 'sum' (torch's rule); feature {unsummed[0]!r} has mode "
+            f"{modes[unsummed[0]]!r}"
+        )
+    return features, given["offsets"], given["per_sample_weights"]
 
 
 def _lookup_group(
@@ -190,7 +216,7 @@ def _lookup_group(
         }
     starts = dict(zip(names, _starts(tables, names), strict=True))
     layouts = {n: b.layout for n, b in zip(present, bags, strict=True)}
-    rows, offs, psw, counts = pack(present, layouts, starts, bags[0].mode, store.dtype, features, offsets, weights)
+    rows, offs, psw, counts = pack(present, layouts, starts, store.dtype, features, offsets, weights)
     pooled = F.embedding_bag(
         rows, slab_weight(store), offs, mode=bags[0].mode, sparse=bags[0].sparse, per_sample_weights=psw
     )
@@ -201,7 +227,6 @@ def pack(
     names: list[str],
     layouts: dict[str, Any],
     starts: dict[str, int],
-    mode: str,
     dtype: torch.dtype,
     features: dict,
     offsets: dict,
@@ -211,13 +236,9 @@ def pack(
 
     Table ``n``'s id ``i`` is row ``starts[n] + storage_row(i)``; each table's ids are checked
     against its own rows (valid in the allocation is not enough) and its offsets against its ids.
+    Inputs come checked by :func:`split_inputs`; features without weights weigh 1 when others have them.
     """
-    weighted = [n in weights for n in names]
-    if any(weighted) and (not all(weighted) or mode != "sum"):
-        raise ShardvarValueError(
-            f"per_sample_weights go with mode 'sum' and every feature of tables {names} (mode {mode!r}); "
-            f"got them for {[n for n in names if n in weights]}"
-        )
+    weighted = any(n in weights for n in names)
     rows, offs, psw, counts, total = [], [], [], [], 0
     for n in names:
         ids, off = _as_bags(n, features[n], offsets.get(n))
@@ -228,10 +249,12 @@ def pack(
         counts.append(off.numel())
         total += ids.numel()
         if n in weights:
-            w = torch.as_tensor(weights[n], dtype=dtype).reshape(-1)
+            w = torch.as_tensor(weights[n], dtype=dtype, device=ids.device).reshape(-1)
             if w.numel() != ids.numel():
                 raise ShardvarValueError(f"feature {n!r}: {w.numel()} per_sample_weights for {ids.numel()} ids")
             psw.append(w)
+        elif weighted:  # weight 1 is exactly an unweighted sum: the group's other features keep theirs
+            psw.append(torch.ones(ids.numel(), dtype=dtype, device=ids.device))
     return torch.cat(rows), torch.cat(offs), torch.cat(psw) if psw else None, counts
 
 
