@@ -144,3 +144,42 @@ def jagged_inputs(rank: int, world: int) -> dict:
             errors[kind] = ([c.__name__ for c in type(e).__mro__], str(e))
     out = ebc(*mixed_batch(rank))
     return {"errors": errors, "groups": ebc.groups, "weighted": {k: v.detach() for k, v in out.items()}}
+
+
+SHARED = {  # a row-sharded table serving two features, one serving one, a replicated table serving two
+    "user": TableConfig(30, 4, 3, "mod", feature_names=("query_user", "candidate_user")),
+    "item": TableConfig(20, 4, 2, feature_names=("item",)),
+    "ctx": TableConfig(6, 4, feature_names=("ctx_a", "ctx_b")),
+}
+
+
+def shared_batch(rank: int, step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(10 * step + rank)
+    rows = {"query_user": 30, "candidate_user": 30, "item": 20, "ctx_a": 6, "ctx_b": 6}
+    return {f: torch.randint(0, n, (3, 2), generator=g) for f, n in rows.items()}
+
+
+def bytes_sent(module: torch.nn.Module) -> int:
+    comms = {id(m.store.exchange.comm): m.store.exchange.comm for m in module.modules() if hasattr(m, "store")}
+    return sum(c.bytes_sent for c in comms.values())
+
+
+def shared_tables(rank: int, world: int) -> dict:
+    """Train a collection whose tables serve several features; the bytes one table's features send."""
+    ebc = DistributedEmbeddingBagCollection(SHARED, placement={"ctx": "replicate"}, initializer=RowInitializer(5))
+    opt = torch.optim.SGD(ebc.parameters(), lr=0.1)
+    out = ebc(shared_batch(rank, 0))
+    sum((v * (i + 1)).pow(2).sum() for i, v in enumerate(out.values())).backward()
+    opt.step()
+    before = all_to_alls(ebc)
+    after = {k: v.detach() for k, v in ebc(shared_batch(rank, 1)).items()}
+    calls = [all_to_alls(ebc) - before]  # three features of two tables: one exchange
+    ids = torch.arange(10 * rank, 10 * rank + 12).reshape(4, 3)  # ids of both ranks' shards
+    sent = []
+    for features in (("query_user",), ("query_user", "candidate_user")):
+        one = DistributedEmbeddingBagCollection({"user": TableConfig(30, 4, 3, "mod", feature_names=features)})
+        before, sent_before = all_to_alls(one), bytes_sent(one)
+        one(dict.fromkeys(features, ids))
+        sent.append(bytes_sent(one) - sent_before)
+        calls.append(all_to_alls(one) - before)
+    return {"after": after, "sent": sent, "calls": calls}

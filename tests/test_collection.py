@@ -164,7 +164,7 @@ def test_tables_moved_apart_are_looked_up_one_by_one(grouping) -> None:
 @pytest.mark.parametrize(
     ("call", "error", "match"),
     [
-        (lambda e: e({"nope": torch.tensor([[1]])}), ValueError, "no table named"),
+        (lambda e: e({"nope": torch.tensor([[1]])}), ValueError, "no feature named"),
         (lambda e: e({"item": torch.tensor([[25]])}), IndexError, "25"),  # valid in the slab, not in the table
         (lambda e: e({"item": torch.tensor([1, 2])}, {"item": torch.tensor([0, 5])}), ValueError, "feature 'item'"),
         (lambda e: e({"item": torch.tensor([1, 2])}), ValueError, "feature 'item'"),

@@ -22,7 +22,7 @@ from .._errors import ShardvarTypeError, ShardvarValueError
 from .._validate import check_choice
 from ..layout import Layout
 from ..nn import KeyedJagged, TableConfig
-from ..nn._collection import pack, split_inputs
+from ..nn._collection import feature_map, pack, split_inputs
 from ..variables import RowInitializer, ShardsView
 from ..variables._create import to_layout
 from ._comm import DEFAULT_TIMEOUT, Comm
@@ -98,6 +98,7 @@ class DistributedEmbeddingBagCollection(nn.Module):
         for name, cfg in tables.items():
             check_choice(cfg.mode, f"mode of table {name!r}", ("sum", "mean", "max"))
         self.configs = dict(tables)
+        self.feature_tables = feature_map(tables)
         init = initializer or RowInitializer()
         first = dict(zip(tables, [0, *itertools.accumulate(c.num_embeddings for c in tables.values())], strict=False))
         replicated = {n: c for n, c in tables.items() if placement.get(n) == "replicate"}
@@ -154,17 +155,19 @@ class DistributedEmbeddingBagCollection(nn.Module):
         offsets: dict[str, Any] | None = None,
         per_sample_weights: dict[str, Any] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Bags per table. Collective: every rank calls it, with a feature for every table."""
-        modes = {n: c.mode for n, c in (self.configs | self.replicas.configs).items()}
+        """Bags per feature. Collective: every rank calls it, with every feature of every table.
+
+        A table's features go in one request, so an id two of them hold is sent and fetched once.
+        """
+        table_of = self.feature_tables
+        modes = {f: self.configs[t].mode for f, t in table_of.items()}
         features, offsets, weights = split_inputs(features, offsets, per_sample_weights, modes)
         if set(features) != set(modes):
-            raise ShardvarValueError(
-                f"every rank gives a feature for every table {sorted(self.configs)}; got {sorted(features)}"
-            )
-        out: dict[str, torch.Tensor] = self.replicas(features, offsets, weights)
+            raise ShardvarValueError(f"every rank gives every feature {sorted(modes)}; got {sorted(features)}")
+        out: dict[str, torch.Tensor] = self.replicas(features, offsets, weights, table_of)
         for names, bag in zip(self.groups, self.bags, strict=True):
-            rows, offs, psw, counts = pack(
-                names, self.layouts, self.starts, bag.store.dtype, features, offsets, weights
-            )
-            out.update(zip(names, bag(rows, offs, per_sample_weights=psw).split(counts), strict=True))
-        return {n: out[n] for n in features}
+            present = [f for f in features if table_of[f] in names]
+            packed = pack(present, table_of, self.layouts, self.starts, bag.store.dtype, features, offsets, weights)
+            rows, offs, psw, counts = packed
+            out.update(zip(present, bag(rows, offs, per_sample_weights=psw).split(counts), strict=True))
+        return {f: out[f] for f in features}

@@ -79,14 +79,17 @@ class Replicas:
         self.groups = list(by_kind.values())
         self._variables = [ShardedVariable([self.embedding_bags[n].weight for n in names]) for names in self.groups]
 
-    def __call__(self, features: dict, offsets: dict, weights: dict) -> dict[str, torch.Tensor]:
+    def __call__(
+        self, features: dict, offsets: dict, weights: dict, table_of: dict[str, str]
+    ) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for names, variable in zip(self.groups, self._variables, strict=True):
             store, mode = variable.store, self.configs[names[0]].mode
             layouts = {n: Layout.div(self.configs[n].num_embeddings, 1) for n in names}
             starts = dict(zip(names, store.layout.offsets, strict=False))
-            rows, offs, psw, counts = pack(names, layouts, starts, store.dtype, features, offsets, weights)
+            present = [f for f in features if table_of[f] in names]
+            rows, offs, psw, counts = pack(present, table_of, layouts, starts, store.dtype, features, offsets, weights)
             weight = _SummedGrad.apply(slab_weight(store), self.comm)
             pooled = F.embedding_bag(rows, weight, offs, mode=mode, sparse=self.sparse, per_sample_weights=psw)
-            out.update(zip(names, pooled.split(counts), strict=True))
+            out.update(zip(present, pooled.split(counts), strict=True))
         return out

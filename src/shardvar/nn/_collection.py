@@ -21,24 +21,50 @@ from torch import nn
 
 from .._errors import ShardvarTypeError, ShardvarValueError
 from .._validate import check_choice, check_int
-from ..layout import as_ids, check_ids
+from ..layout import Layout, as_ids, check_ids
 from ..variables import ShardedVariable
 from ..variables._functional import _check_bag, slab_weight
 from ._embedding import ShardedEmbeddingBag
-from ._jagged import KeyedJagged
+from ._jagged import KeyedJagged, check_names
 
 __all__ = ["EmbeddingBagCollection", "TableConfig", "KeyedJagged"]
 
 
 @dataclass(frozen=True)
 class TableConfig:
-    """One table of a collection: rows, width, how it is split (a count, partitioner or Layout), pooling."""
+    """One table of a collection: rows, width, how it is split (a count, partitioner or Layout), pooling,
+    and the features it serves (``feature_names``; None: the one feature named as the table).
+
+    >>> TableConfig(100, 8, feature_names=["query_user", "candidate_user"]).feature_names
+    ('query_user', 'candidate_user')
+    """
 
     num_embeddings: int
     embedding_dim: int
     partitioner: Any = 1
     partition_strategy: str = "div"
     mode: str = "sum"
+    feature_names: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.feature_names is not None:
+            names = check_names(self.feature_names, "feature_names")
+            if not names:
+                raise ShardvarValueError("feature_names is empty; a table serves at least one feature (None: its name)")
+            object.__setattr__(self, "feature_names", names)  # frozen: set once, as a tuple
+
+
+def feature_map(tables: Mapping[str, TableConfig]) -> dict[str, str]:
+    """Each feature -> the table that serves it; a feature served by two tables is refused."""
+    out: dict[str, str] = {}
+    for name, cfg in tables.items():
+        for feature in cfg.feature_names or (name,):
+            if feature in out:
+                raise ShardvarValueError(
+                    f"feature {feature!r} is served by tables {out[feature]!r} and {name!r}; a feature has one table"
+                )
+            out[feature] = name
+    return out
 
 
 def _as_bags(name: str, ids: Any, offsets: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,6 +103,7 @@ class EmbeddingBagCollection(nn.Module):
                     f"table {name!r}: mode 'max' has no sparse gradient (torch's rule); use sum or mean"
                 )
             check_int(cfg.embedding_dim, "embedding_dim", minimum=1)
+        self.feature_tables = feature_map(tables)
         self.embedding_bags = nn.ModuleDict(
             {
                 name: ShardedEmbeddingBag(
@@ -99,8 +126,13 @@ class EmbeddingBagCollection(nn.Module):
         offsets: dict[str, Any] | None = None,
         per_sample_weights: dict[str, Any] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Bags per feature: ``{name: [bags, dim]}`` (``concat`` joins them for the dense layers)."""
-        return lookup_tables(self.embedding_bags, self._groups, features, offsets, per_sample_weights)
+        """Bags per feature: ``{feature: [bags, dim]}`` (``concat`` joins them for the dense layers).
+
+        The features of one table are looked up together, in one kernel with the other tables of
+        its group: a table's rows are read once per call, however many features it serves.
+        """
+        groups, tables = self._groups, self.feature_tables
+        return lookup_tables(self.embedding_bags, groups, features, offsets, per_sample_weights, tables)
 
     @staticmethod
     def concat(pooled: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -150,17 +182,19 @@ def lookup_tables(
     features: Any,
     offsets: dict[str, Any] | None,
     per_sample_weights: dict[str, Any] | None,
+    table_of: Mapping[str, str] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Bags of each feature, one kernel per group of :func:`batch_tables`; everything checked first."""
-    features, offsets, weights = split_inputs(
-        features, offsets, per_sample_weights, {n: b.mode for n, b in bags.items()}
-    )
+    """Bags of each feature (served by table ``table_of[feature]``, default: the table of its name), one
+    kernel per group of :func:`batch_tables`; everything checked first."""
+    table_of = table_of if table_of is not None else {n: n for n in bags}
+    modes = {f: bags[t].mode for f, t in table_of.items()}
+    features, offsets, weights = split_inputs(features, offsets, per_sample_weights, modes)
     out: dict[str, torch.Tensor] = {}
     for names, variable in groups:
-        present = [n for n in names if n in features]
+        present = [f for f in features if table_of[f] in names]
         if present:
-            out.update(_lookup_group(bags, present, names, variable, features, offsets, weights))
-    return {n: out[n] for n in features}
+            out.update(_lookup_group(bags, present, table_of, names, variable, (features, offsets, weights)))
+    return {f: out[f] for f in features}
 
 
 def split_inputs(
@@ -181,7 +215,7 @@ def split_inputs(
         )
     unknown = sorted(set(features) - set(modes), key=str)
     if unknown:
-        raise ShardvarValueError(f"no table named {unknown}; the tables are {list(modes)}")
+        raise ShardvarValueError(f"no feature named {unknown}; the features are {list(modes)}")
     given = {"offsets": offsets or {}, "per_sample_weights": per_sample_weights or {}}
     for what, by_name in given.items():
         if not isinstance(by_name, dict):
@@ -201,57 +235,73 @@ def split_inputs(
 def _lookup_group(
     tables: Mapping[str, ShardedEmbeddingBag],
     present: list[str],
+    table_of: Mapping[str, str],
     names: list[str],
     variable: ShardedVariable | None,
-    features: dict,
-    offsets: dict,
-    weights: dict,
+    inputs: tuple[dict, dict, dict],
 ) -> dict[str, torch.Tensor]:
-    bags = [tables[n] for n in present]
     store = variable.store if variable is not None else None
-    if store is None or store.full_slab is None:  # a table apart, or its shards moved: one by one
-        return {
-            n: b(*_as_bags(n, features[n], offsets.get(n)), per_sample_weights=weights.get(n))
-            for n, b in zip(present, bags, strict=True)
-        }
+    if store is None or store.full_slab is None:  # a table apart, or its shards moved: table by table
+        return {f: x for n in names for f, x in _lookup_table(tables[n], n, present, table_of, inputs).items()}
     starts = dict(zip(names, _starts(tables, names), strict=True))
-    layouts = {n: b.layout for n, b in zip(present, bags, strict=True)}
-    rows, offs, psw, counts = pack(present, layouts, starts, store.dtype, features, offsets, weights)
-    pooled = F.embedding_bag(
-        rows, slab_weight(store), offs, mode=bags[0].mode, sparse=bags[0].sparse, per_sample_weights=psw
-    )
+    layouts = {n: tables[n].layout for n in names}
+    rows, offs, psw, counts = pack(present, table_of, layouts, starts, store.dtype, *inputs)
+    bag = tables[names[0]]
+    pooled = F.embedding_bag(rows, slab_weight(store), offs, mode=bag.mode, sparse=bag.sparse, per_sample_weights=psw)
     return dict(zip(present, pooled.split(counts), strict=True))
 
 
+def _lookup_table(
+    bag: ShardedEmbeddingBag,
+    name: str,
+    present: list[str],
+    table_of: Mapping[str, str],
+    inputs: tuple[dict, dict, dict],
+) -> dict[str, torch.Tensor]:
+    """The bags of a table's features by its own forward: one call for all of them."""
+    mine = [f for f in present if table_of[f] == name]
+    features, offsets, weights = inputs
+    if not mine:
+        return {}
+    if len(mine) == 1:  # the feature's own offsets as given (a table with include_last_offset reads them so)
+        f = mine[0]
+        return {f: bag(*_as_bags(f, features[f], offsets.get(f)), per_sample_weights=weights.get(f))}
+    logical = {name: Layout.div(bag.num_embeddings, 1)}  # the table's own ids: its forward finds their shards
+    ids, offs, psw, counts = pack(mine, table_of, logical, {name: 0}, bag.store.dtype, *inputs)
+    return dict(zip(mine, bag(ids, offs, per_sample_weights=psw).split(counts), strict=True))
+
+
 def pack(
-    names: list[str],
-    layouts: dict[str, Any],
-    starts: dict[str, int],
+    present: list[str],
+    table_of: Mapping[str, str],
+    layouts: Mapping[str, Any],
+    starts: Mapping[str, int],
     dtype: torch.dtype,
     features: dict,
     offsets: dict,
     weights: dict,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int]]:
-    """Tables' bags as one: (rows of the shared allocation, offsets, weights or None, bags per table).
+    """Features' bags as one: (rows of the shared allocation, offsets, weights or None, bags per feature).
 
-    Table ``n``'s id ``i`` is row ``starts[n] + storage_row(i)``; each table's ids are checked
-    against its own rows (valid in the allocation is not enough) and its offsets against its ids.
-    Inputs come checked by :func:`split_inputs`; features without weights weigh 1 when others have them.
+    Feature ``f``'s id ``i`` is row ``starts[t] + storage_row(i)`` of its table ``t = table_of[f]``;
+    each feature's ids are checked against its table's rows (valid in the allocation is not
+    enough) and its offsets against its ids. Inputs come checked by :func:`split_inputs`;
+    features without weights weigh 1 when others have them.
     """
-    weighted = any(n in weights for n in names)
+    weighted = any(f in weights for f in present)
     rows, offs, psw, counts, total = [], [], [], [], 0
-    for n in names:
-        ids, off = _as_bags(n, features[n], offsets.get(n))
-        layout = layouts[n]
+    for f in present:
+        ids, off = _as_bags(f, features[f], offsets.get(f))
+        layout = layouts[table_of[f]]
         check_ids(ids, layout.num_rows)
-        rows.append(starts[n] + layout.strategy.storage_rows(layout.sizes, ids))
+        rows.append(starts[table_of[f]] + layout.strategy.storage_rows(layout.sizes, ids))
         offs.append(off + total)
         counts.append(off.numel())
         total += ids.numel()
-        if n in weights:
-            w = torch.as_tensor(weights[n], dtype=dtype, device=ids.device).reshape(-1)
+        if f in weights:
+            w = torch.as_tensor(weights[f], dtype=dtype, device=ids.device).reshape(-1)
             if w.numel() != ids.numel():
-                raise ShardvarValueError(f"feature {n!r}: {w.numel()} per_sample_weights for {ids.numel()} ids")
+                raise ShardvarValueError(f"feature {f!r}: {w.numel()} per_sample_weights for {ids.numel()} ids")
             psw.append(w)
         elif weighted:  # weight 1 is exactly an unweighted sum: the group's other features keep theirs
             psw.append(torch.ones(ids.numel(), dtype=dtype, device=ids.device))

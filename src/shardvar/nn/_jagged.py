@@ -17,7 +17,7 @@ import torch
 
 from .._errors import ShardvarTypeError, ShardvarValueError
 
-__all__ = ["KeyedJagged", "check_jagged"]
+__all__ = ["KeyedJagged", "check_jagged", "check_names"]
 
 
 def _integer(t: torch.Tensor) -> bool:
@@ -33,23 +33,25 @@ def _tensor(value: Any, name: str) -> torch.Tensor:
         raise ShardvarTypeError(f"{name} must be a tensor; could not read {value!r:.60} as one ({e})") from None
 
 
-def _check_keys(keys: Any) -> tuple[str, ...]:
-    if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
-        raise ShardvarTypeError(f"keys must be a tuple or list of feature names; got {keys!r:.80}")
-    for i, k in enumerate(keys):
+def check_names(names: Any, what: str = "keys") -> tuple[str, ...]:
+    """Feature names as a tuple: a sequence (not one string) of distinct strings."""
+    if isinstance(names, (str, bytes)) or not isinstance(names, Sequence):
+        raise ShardvarTypeError(f"{what} must be a tuple or list of feature names; got {names!r:.80}")
+    for i, k in enumerate(names):
         if not isinstance(k, str):
-            raise ShardvarTypeError(f"keys must be strings (feature names); got {k!r:.60} ({type(k).__name__}) at {i}")
-    repeated = [k for k, n in Counter(keys).items() if n > 1]
+            got = f"{k!r:.60} ({type(k).__name__}) at {i}"
+            raise ShardvarTypeError(f"{what} must be strings (feature names); got {got}")
+    repeated = [k for k, n in Counter(names).items() if n > 1]
     if repeated:
-        raise ShardvarValueError(f"keys must be unique; {repeated[0]!r} is given {keys.count(repeated[0])} times")
-    return tuple(keys)
+        raise ShardvarValueError(f"{what} must be unique; {repeated[0]!r} is given {names.count(repeated[0])} times")
+    return tuple(names)
 
 
 def check_jagged(
     keys: Any, values: Any, lengths: Any, weights: Any
 ) -> tuple[tuple[str, ...], torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The four parts of a :class:`KeyedJagged` as tensors, or the error naming the first bad one."""
-    keys = _check_keys(keys)
+    keys = check_names(keys)
     values, lengths = _tensor(values, "values"), _tensor(lengths, "lengths")
     if not _integer(values):
         raise ShardvarTypeError(f"values must be integer ids; got dtype {values.dtype}")
