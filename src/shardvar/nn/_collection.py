@@ -24,10 +24,12 @@ from .._validate import check_choice, check_int
 from ..layout import Layout, as_ids, check_ids
 from ..variables import ShardedVariable
 from ..variables._functional import _check_bag, slab_weight
-from ._embedding import ShardedEmbeddingBag
-from ._jagged import KeyedJagged, check_names
+from ._embedding import ShardedEmbedding, ShardedEmbeddingBag
+from ._jagged import KeyedJagged, check_names, jagged_split
 
 __all__ = ["EmbeddingBagCollection", "TableConfig", "KeyedJagged"]
+
+Table = ShardedEmbedding | ShardedEmbeddingBag  # a pooled collection's tables are bags, a sequence one's not
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,25 @@ class TableConfig:
             if not names:
                 raise ShardvarValueError("feature_names is empty; a table serves at least one feature (None: its name)")
             object.__setattr__(self, "feature_names", names)  # frozen: set once, as a tuple
+
+
+def check_tables(tables: Any, sparse: bool, pooled: bool) -> None:
+    """A non-empty dict of TableConfigs whose options a collection (pooled or not) can honour."""
+    if not isinstance(tables, dict) or not tables:
+        raise ShardvarTypeError(f"tables must be a non-empty dict of name -> TableConfig; got {tables!r:.80}")
+    for name, cfg in tables.items():
+        if not isinstance(cfg, TableConfig):
+            raise ShardvarTypeError(f"table {name!r} must be a TableConfig; got {type(cfg).__name__}")
+        check_choice(
+            cfg.mode,
+            "mode" if pooled else "mode (an EmbeddingCollection does not pool)",
+            ("sum", "mean", "max") if pooled else ("sum",),
+        )
+        if cfg.mode == "max" and sparse:
+            raise ShardvarValueError(
+                f"table {name!r}: mode 'max' has no sparse gradient (torch's rule); use sum or mean"
+            )
+        check_int(cfg.embedding_dim, "embedding_dim", minimum=1)
 
 
 def feature_map(tables: Mapping[str, TableConfig]) -> dict[str, str]:
@@ -92,17 +113,7 @@ class EmbeddingBagCollection(nn.Module):
         self, tables: dict[str, TableConfig], *, sparse: bool = False, dtype: torch.dtype | None = None
     ) -> None:
         super().__init__()
-        if not isinstance(tables, dict) or not tables:
-            raise ShardvarTypeError(f"tables must be a non-empty dict of name -> TableConfig; got {tables!r:.80}")
-        for name, cfg in tables.items():
-            if not isinstance(cfg, TableConfig):
-                raise ShardvarTypeError(f"table {name!r} must be a TableConfig; got {type(cfg).__name__}")
-            check_choice(cfg.mode, "mode", ("sum", "mean", "max"))
-            if cfg.mode == "max" and sparse:
-                raise ShardvarValueError(
-                    f"table {name!r}: mode 'max' has no sparse gradient (torch's rule); use sum or mean"
-                )
-            check_int(cfg.embedding_dim, "embedding_dim", minimum=1)
+        check_tables(tables, sparse, pooled=True)
         self.feature_tables = feature_map(tables)
         self.embedding_bags = nn.ModuleDict(
             {
@@ -140,14 +151,14 @@ class EmbeddingBagCollection(nn.Module):
         return torch.cat(list(pooled.values()), dim=1)
 
 
-def _batchable(bag: ShardedEmbeddingBag) -> bool:
+def _batchable(bag: Table) -> bool:
     """Looked up with other tables in one kernel: no option that needs the table's own call."""
     plain = bag.padding_idx is None and bag.max_norm is None and not bag.scale_grad_by_freq
-    return plain and not bag.include_last_offset and bag.layout.axis == 0
+    return plain and not getattr(bag, "include_last_offset", False) and bag.layout.axis == 0
 
 
-def batch_tables(bags: Mapping[str, ShardedEmbeddingBag]) -> list[tuple[list[str], ShardedVariable | None]]:
-    """Move the shards of the tables of each (width, mode, dtype, sparse) into one allocation.
+def batch_tables(bags: Mapping[str, Table]) -> list[tuple[list[str], ShardedVariable | None]]:
+    """Move the shards of the tables of each (width, pooling mode, dtype, sparse) into one allocation.
 
     Tables with an option only their own call applies (padding_idx, max_norm, ...) stay apart
     (group variable None) and are looked up by their own forward.
@@ -158,7 +169,9 @@ def batch_tables(bags: Mapping[str, ShardedEmbeddingBag]) -> list[tuple[list[str
         if not _batchable(bag):
             groups.append(([name], None))
             continue
-        by_kind.setdefault((bag.embedding_dim, bag.mode, bag.store.dtype, bag.sparse), []).append(name)
+        by_kind.setdefault((bag.embedding_dim, getattr(bag, "mode", None), bag.store.dtype, bag.sparse), []).append(
+            name
+        )
     for (dim, _, dtype, _), names in by_kind.items():
         shards = [p for n in names for p in bags[n].shards]
         device = shards[0].device
@@ -177,7 +190,7 @@ def batch_tables(bags: Mapping[str, ShardedEmbeddingBag]) -> list[tuple[list[str
 
 
 def lookup_tables(
-    bags: Mapping[str, ShardedEmbeddingBag],
+    bags: Mapping[str, Table],
     groups: list[tuple[list[str], ShardedVariable | None]],
     features: Any,
     offsets: dict[str, Any] | None,
@@ -187,7 +200,7 @@ def lookup_tables(
     """Bags of each feature (served by table ``table_of[feature]``, default: the table of its name), one
     kernel per group of :func:`batch_tables`; everything checked first."""
     table_of = table_of if table_of is not None else {n: n for n in bags}
-    modes = {f: bags[t].mode for f, t in table_of.items()}
+    modes = {f: getattr(bags[t], "mode", "sum") for f, t in table_of.items()}
     features, offsets, weights = split_inputs(features, offsets, per_sample_weights, modes)
     out: dict[str, torch.Tensor] = {}
     for names, variable in groups:
@@ -233,7 +246,7 @@ def split_inputs(
 
 
 def _lookup_group(
-    tables: Mapping[str, ShardedEmbeddingBag],
+    tables: Mapping[str, Table],
     present: list[str],
     table_of: Mapping[str, str],
     names: list[str],
@@ -246,29 +259,30 @@ def _lookup_group(
     starts = dict(zip(names, _starts(tables, names), strict=True))
     layouts = {n: tables[n].layout for n in names}
     rows, offs, psw, counts = pack(present, table_of, layouts, starts, store.dtype, *inputs)
-    bag = tables[names[0]]
-    pooled = F.embedding_bag(rows, slab_weight(store), offs, mode=bag.mode, sparse=bag.sparse, per_sample_weights=psw)
+    table, weight = tables[names[0]], slab_weight(store)
+    if not isinstance(table, nn.EmbeddingBag):  # a sequence collection: every id's row, bag by bag
+        return jagged_split(F.embedding(rows, weight, sparse=table.sparse), offs, counts, present)
+    pooled = F.embedding_bag(rows, weight, offs, mode=table.mode, sparse=table.sparse, per_sample_weights=psw)
     return dict(zip(present, pooled.split(counts), strict=True))
 
 
 def _lookup_table(
-    bag: ShardedEmbeddingBag,
-    name: str,
-    present: list[str],
-    table_of: Mapping[str, str],
-    inputs: tuple[dict, dict, dict],
-) -> dict[str, torch.Tensor]:
-    """The bags of a table's features by its own forward: one call for all of them."""
+    table: Table, name: str, present: list[str], table_of: Mapping[str, str], inputs: tuple[dict, dict, dict]
+) -> dict[str, Any]:
+    """The result of a table's features by its own forward: one call for all of them."""
     mine = [f for f in present if table_of[f] == name]
     features, offsets, weights = inputs
     if not mine:
         return {}
-    if len(mine) == 1:  # the feature's own offsets as given (a table with include_last_offset reads them so)
+    pooled = isinstance(table, nn.EmbeddingBag)
+    if len(mine) == 1 and pooled:  # the feature's own offsets as given (a table with include_last_offset reads them so)
         f = mine[0]
-        return {f: bag(*_as_bags(f, features[f], offsets.get(f)), per_sample_weights=weights.get(f))}
-    logical = {name: Layout.div(bag.num_embeddings, 1)}  # the table's own ids: its forward finds their shards
-    ids, offs, psw, counts = pack(mine, table_of, logical, {name: 0}, bag.store.dtype, *inputs)
-    return dict(zip(mine, bag(ids, offs, per_sample_weights=psw).split(counts), strict=True))
+        return {f: table(*_as_bags(f, features[f], offsets.get(f)), per_sample_weights=weights.get(f))}
+    logical = {name: Layout.div(table.num_embeddings, 1)}  # the table's own ids: its forward finds their shards
+    ids, offs, psw, counts = pack(mine, table_of, logical, {name: 0}, table.store.dtype, *inputs)
+    if not pooled:
+        return jagged_split(table(ids), offs, counts, mine)
+    return dict(zip(mine, table(ids, offs, per_sample_weights=psw).split(counts), strict=True))
 
 
 def pack(
@@ -308,7 +322,7 @@ def pack(
     return torch.cat(rows), torch.cat(offs), torch.cat(psw) if psw else None, counts
 
 
-def _starts(tables: Mapping[str, ShardedEmbeddingBag], names: list[str]) -> list[int]:
+def _starts(tables: Mapping[str, Table], names: list[str]) -> list[int]:
     out, start = [], 0
     for n in names:
         out.append(start)

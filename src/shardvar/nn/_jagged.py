@@ -1,4 +1,5 @@
-"""KeyedJagged: the ids of several features as one jagged batch, refused whole if any part is bad.
+"""KeyedJagged: the ids of several features as one jagged batch, refused whole if any part is bad;
+JaggedRows: one feature's looked-up rows, bag by bag (what an EmbeddingCollection returns).
 
 A jagged batch that is silently misread loses data without an error (a duplicate key drops a
 block; a float id is truncated; a negative length shifts every later bag), so every rule is
@@ -17,7 +18,7 @@ import torch
 
 from .._errors import ShardvarTypeError, ShardvarValueError
 
-__all__ = ["KeyedJagged", "check_jagged", "check_names"]
+__all__ = ["JaggedRows", "KeyedJagged", "check_jagged", "check_names", "jagged_split"]
 
 
 def _integer(t: torch.Tensor) -> bool:
@@ -110,3 +111,37 @@ class KeyedJagged:
         offsets = {k: torch.cumsum(row, 0) - row for k, row in zip(keys, lengths, strict=True)}
         by_key = {} if weights is None else dict(zip(keys, weights.split(per_key), strict=True))
         return ids, offsets, by_key
+
+
+@dataclass(frozen=True)
+class JaggedRows:
+    """One feature's looked-up rows, bag by bag: ``values`` ``[ids, dim]`` and ``lengths`` ``[bags]``.
+
+    >>> rows = JaggedRows(torch.arange(6.0).reshape(3, 2), torch.tensor([2, 0, 1]))
+    >>> rows.to_padded().shape, rows.offsets().tolist()
+    (torch.Size([3, 2, 2]), [0, 2, 2])
+    """
+
+    values: torch.Tensor
+    lengths: torch.Tensor
+
+    def offsets(self) -> torch.Tensor:
+        """Where each bag starts in ``values``."""
+        return torch.cumsum(self.lengths, 0) - self.lengths
+
+    def to_padded(self, padding_value: float = 0.0) -> torch.Tensor:
+        """``[bags, longest, dim]``, each bag's rows first and ``padding_value`` after (differentiable)."""
+        bags = self.lengths.numel()
+        longest = int(self.lengths.max()) if bags else 0
+        out = self.values.new_full((bags, longest, self.values.shape[1]), padding_value)
+        bag = torch.repeat_interleave(torch.arange(bags, device=self.values.device), self.lengths)
+        position = torch.arange(self.values.shape[0], device=self.values.device) - self.offsets()[bag]
+        return out.index_put((bag, position), self.values)
+
+
+def jagged_split(values: torch.Tensor, offsets: torch.Tensor, counts: list[int], features: list[str]) -> dict:
+    """Rows looked up for packed features (bags per feature ``counts``) as each feature's JaggedRows."""
+    lengths = torch.diff(offsets, append=offsets.new_tensor([values.shape[0]]))
+    per_feature = lengths.split(counts)
+    sizes = [int(x.sum()) for x in per_feature]
+    return {f: JaggedRows(v, x) for f, v, x in zip(features, values.split(sizes), per_feature, strict=True)}
