@@ -6,7 +6,11 @@ import torch
 
 import shardvar
 from shardvar import KeyedJagged, TableConfig
-from shardvar.distributed import DistributedEmbeddingBag, DistributedEmbeddingBagCollection
+from shardvar.distributed import (
+    DistributedEmbeddingBag,
+    DistributedEmbeddingBagCollection,
+    DistributedEmbeddingCollection,
+)
 from shardvar.variables import RowInitializer
 
 TABLES = {
@@ -183,3 +187,45 @@ def shared_tables(rank: int, world: int) -> dict:
         sent.append(bytes_sent(one) - sent_before)
         calls.append(all_to_alls(one) - before)
     return {"after": after, "sent": sent, "calls": calls}
+
+
+SEQUENCE = {  # a row-sharded table serving two sequence features, a whole one, a replicated one
+    "history": TableConfig(30, 4, 3, "mod", feature_names=("clicks", "views")),
+    "item": TableConfig(20, 4, 2),
+    "ctx": TableConfig(6, 4),
+}
+
+
+def sequence_batch(rank: int, step: int) -> KeyedJagged:
+    g = torch.Generator().manual_seed(20 * step + rank)
+    keys, rows = ("clicks", "views", "item", "ctx"), (30, 30, 20, 6)
+    lengths = torch.randint(0, 4, (4, 3), generator=g)
+    values = [torch.randint(0, r, (int(n),), generator=g) for r, n in zip(rows, lengths.sum(1), strict=True)]
+    return KeyedJagged(keys, torch.cat(values), lengths)
+
+
+def train_sequence(rank: int, world: int, path: str) -> dict:
+    """Two steps of the distributed sequence collection; one exchange per step for its three tables."""
+    ec = DistributedEmbeddingCollection(
+        SEQUENCE, placement={"item": "table", "ctx": "replicate"}, sparse=True, initializer=RowInitializer(5)
+    )
+    opt = torch.optim.SparseAdam(list(ec.parameters()), lr=0.05)
+    calls = []
+    for step in range(2):
+        before = all_to_alls(ec)
+        out = ec(sequence_batch(rank, step))
+        calls.append(all_to_alls(ec) - before)
+        sum((rows.values * (i + 1)).pow(2).sum() for i, rows in enumerate(out.values())).backward()
+        opt.step()
+        opt.zero_grad()
+    shardvar.distributed.save({"model": ec}, f"{path}/sequence")
+    return {"calls": calls, "groups": ec.groups, "lengths": {f: rows.lengths for f, rows in out.items()}}
+
+
+def distributed_collections(rank: int, world: int, path: str) -> dict:
+    """Every distributed collection check of the feature tests in one 2-rank run (one start-up)."""
+    return {
+        "inputs": jagged_inputs(rank, world),
+        "shared": shared_tables(rank, world),
+        "sequence": train_sequence(rank, world, path),
+    }

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import shardvar
-from dist_collection_workers import SHARED, shared_batch
-from distributed import run_ranks
 from shardvar import EmbeddingBagCollection, KeyedJagged, TableConfig
-from shardvar.variables import RowInitializer
 
 WIDTHS = {"grouped": (4, 4, 4), "apart": (4, 5, 6)}
 ROWS = {"user": 30, "item": 20, "ctx": 9}
@@ -109,28 +103,3 @@ def test_a_keyed_jagged_batch_is_keyed_by_feature() -> None:
 def test_bad_feature_names_are_refused(make, error, match) -> None:
     with pytest.raises(error, match=match):
         make()
-
-
-def test_distributed_tables_serve_their_features_in_one_exchange_with_shared_ids_sent_once(tmp_path) -> None:
-    results = run_ranks(2, "dist_collection_workers:shared_tables", tmp_path)
-    init = RowInitializer(5)
-    first = dict(zip(SHARED, itertools.accumulate([0, *(c.num_embeddings for c in SHARED.values())]), strict=False))
-    weights = {
-        t: init.rows(first[t] + torch.arange(c.num_embeddings), (c.embedding_dim,)).requires_grad_()
-        for t, c in SHARED.items()
-    }
-    table_of = {f: t for t, c in SHARED.items() for f in c.feature_names}
-    loss = 0
-    for rank in range(2):
-        out = {f: F.embedding_bag(x, weights[table_of[f]], mode="sum") for f, x in shared_batch(rank, 0).items()}
-        loss = loss + sum((v * (i + 1)).pow(2).sum() for i, v in enumerate(out.values()))
-    loss.backward()
-    with torch.no_grad():
-        for w in weights.values():
-            w -= 0.1 * w.grad
-    for rank, result in enumerate(results):
-        for f, x in shared_batch(rank, 1).items():
-            want = F.embedding_bag(x, weights[table_of[f]].detach(), mode="sum")
-            torch.testing.assert_close(result["after"][f], want, atol=1e-5, rtol=0)
-        assert result["calls"][0] == result["calls"][1] == result["calls"][2]  # one exchange for every feature
-        assert result["sent"][0] == result["sent"][1] > 0  # the second feature's ids (the same) cost nothing

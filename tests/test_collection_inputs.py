@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import itertools
-import re
-
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardvar
-from dist_collection_workers import MIXED, bad_jagged, mixed_batch, unchecked
-from distributed import run_ranks
+from dist_collection_workers import bad_jagged, unchecked
 from shardvar import EmbeddingBagCollection, KeyedJagged, ShardedEmbeddingBag, TableConfig
 from shardvar.nn import EmbeddingBagDict, EmbeddingBagList
-from shardvar.variables import RowInitializer
 
 BAD = bad_jagged()
 WIDTHS = {"grouped": 4, "apart": 6}  # table "1" as wide as table "0" (one kernel for both) or not
@@ -64,24 +58,6 @@ def test_tensors_written_in_place_after_construction_are_checked_again() -> None
     jagged.lengths[1] = torch.tensor([-1, 3])  # still adds up to 5: only the sign check sees it
     with pytest.raises(ValueError, match="lengths must be >= 0; got -1 for key '1', bag 0"):
         ebc(jagged)
-
-
-def test_the_distributed_collection_refuses_every_bad_kind_and_weighs_only_the_weighted_features(tmp_path) -> None:
-    results = run_ranks(2, "dist_collection_workers:jagged_inputs", tmp_path)
-    init = RowInitializer(5)
-    first = dict(zip(MIXED, [0, *itertools.accumulate(c.num_embeddings for c in MIXED.values())], strict=False))
-    for rank, result in enumerate(results):
-        assert set(result["errors"]) == set(BAD)
-        for kind, (mro, message) in result["errors"].items():
-            _, error, match = BAD[kind]
-            assert error.__name__ in mro and "ShardvarError" in mro, (kind, mro)
-            assert re.search(match, message), (kind, message)
-        assert result["groups"] == [["0", "1"], ["2"]]  # a weighted table grouped with an unweighted one, and alone
-        ids, offsets, weights = mixed_batch(rank)
-        for k, c in MIXED.items():
-            table = init.rows(first[k] + torch.arange(c.num_embeddings), (c.embedding_dim,))
-            want = F.embedding_bag(ids[k], table, offsets[k], mode="sum", per_sample_weights=weights.get(k))
-            torch.testing.assert_close(result["weighted"][k], want, atol=1e-6, rtol=0)
 
 
 @settings(max_examples=25, deadline=None)

@@ -137,7 +137,7 @@ def test_fused_row_wise_adagrad_trains_and_the_state_reshards_through_a_checkpoi
                 KeyedJagged(("item",), torch.tensor([1]), torch.tensor([[1]]), torch.ones(1))
             ),
             ValueError,
-            "takes no weights",
+            "is not pooled .* takes no weights",
         ),
         (lambda: EmbeddingCollection(tables("grouped"))({"item": torch.tensor([[25]])}), IndexError, "25"),
     ],

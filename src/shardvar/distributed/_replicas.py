@@ -19,6 +19,7 @@ from torch import nn
 from ..layout import Layout
 from ..nn import TableConfig
 from ..nn._collection import pack
+from ..nn._jagged import jagged_split
 from ..variables import RowInitializer, ShardedVariable
 from ..variables._functional import slab_weight
 from ._comm import Comm
@@ -64,9 +65,15 @@ class Replicas:
     dict then names them ``embedding_bags.<name>.weight``, as the other tables are named)."""
 
     def __init__(
-        self, tables: dict[str, TableConfig], sparse: bool, init: RowInitializer, first: dict[str, int], comm: Comm
+        self,
+        tables: dict[str, TableConfig],
+        sparse: bool,
+        init: RowInitializer,
+        first: dict[str, int],
+        comm: Comm,
+        pooled: bool = True,
     ) -> None:
-        self.configs, self.sparse, self.comm = dict(tables), sparse, comm
+        self.configs, self.sparse, self.comm, self.pooled = dict(tables), sparse, comm, pooled
         self.embedding_bags = nn.ModuleDict(
             {
                 n: _Table(init.rows(first[n] + torch.arange(c.num_embeddings), (c.embedding_dim,), torch.float32))
@@ -90,6 +97,9 @@ class Replicas:
             present = [f for f in features if table_of[f] in names]
             rows, offs, psw, counts = pack(present, table_of, layouts, starts, store.dtype, features, offsets, weights)
             weight = _SummedGrad.apply(slab_weight(store), self.comm)
+            if not self.pooled:  # a sequence collection's: every id's row
+                out.update(jagged_split(F.embedding(rows, weight, sparse=self.sparse), offs, counts, present))
+                continue
             pooled = F.embedding_bag(rows, weight, offs, mode=mode, sparse=self.sparse, per_sample_weights=psw)
             out.update(zip(present, pooled.split(counts), strict=True))
         return out

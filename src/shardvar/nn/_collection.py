@@ -200,7 +200,7 @@ def lookup_tables(
     """Bags of each feature (served by table ``table_of[feature]``, default: the table of its name), one
     kernel per group of :func:`batch_tables`; everything checked first."""
     table_of = table_of if table_of is not None else {n: n for n in bags}
-    modes = {f: getattr(bags[t], "mode", "sum") for f, t in table_of.items()}
+    modes = {f: getattr(bags[t], "mode", None) for f, t in table_of.items()}
     features, offsets, weights = split_inputs(features, offsets, per_sample_weights, modes)
     out: dict[str, torch.Tensor] = {}
     for names, variable in groups:
@@ -211,9 +211,10 @@ def lookup_tables(
 
 
 def split_inputs(
-    features: Any, offsets: Any, per_sample_weights: Any, modes: Mapping[str, str]
+    features: Any, offsets: Any, per_sample_weights: Any, modes: Mapping[str, str | None]
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """(ids, offsets, weights) by feature, from dicts or a KeyedJagged, checked against the tables' modes.
+    """(ids, offsets, weights) by feature, from dicts or a KeyedJagged, checked against the tables' modes
+    (None: a table that does not pool).
 
     Whatever the grouping of the tables, weights given for some features weight those and the
     others pool unweighted; offsets or weights for a feature without ids are refused.
@@ -236,12 +237,13 @@ def split_inputs(
         stray = sorted(set(by_name) - set(features), key=str)
         if stray:
             raise ShardvarValueError(f"{what} given for {stray}, which have no ids; the features are {list(features)}")
-    unsummed = [n for n in given["per_sample_weights"] if modes[n] != "sum"]
-    if unsummed:
-        raise ShardvarValueError(
-            f"per_sample_weights go with mode 'sum' (torch's rule); feature {unsummed[0]!r} has mode "
-            f"{modes[unsummed[0]]!r}"
-        )
+    for f in given["per_sample_weights"]:
+        if modes[f] is None:
+            raise ShardvarValueError(f"feature {f!r} is not pooled (an EmbeddingCollection's): it takes no weights")
+        if modes[f] != "sum":
+            raise ShardvarValueError(
+                f"per_sample_weights go with mode 'sum' (torch's rule); feature {f!r} has mode {modes[f]!r}"
+            )
     return features, given["offsets"], given["per_sample_weights"]
 
 

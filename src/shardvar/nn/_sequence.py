@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._errors import ShardvarValueError
 from ._collection import TableConfig, batch_tables, check_tables, feature_map, lookup_tables
 from ._embedding import ShardedEmbedding
 from ._jagged import JaggedRows, KeyedJagged
@@ -55,6 +54,4 @@ class EmbeddingCollection(nn.Module):
         self, features: dict[str, Any] | KeyedJagged, offsets: dict[str, Any] | None = None
     ) -> dict[str, JaggedRows]:
         """Each feature's rows, bag by bag; a table's features are looked up with its group in one kernel."""
-        if isinstance(features, KeyedJagged) and features.weights is not None:
-            raise ShardvarValueError("an EmbeddingCollection does not pool: its KeyedJagged takes no weights")
         return lookup_tables(self.embeddings, self._groups, features, offsets, None, self.feature_tables)
