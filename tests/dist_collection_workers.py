@@ -79,10 +79,14 @@ def train_sparse_replicated(rank: int, world: int, path: str) -> dict:
 def auto_placement(rank: int, world: int) -> dict:
     ebc = DistributedEmbeddingBagCollection(TABLES, placement="auto")
     out = ebc(batch(rank, 0))
+    sequence = DistributedEmbeddingCollection(TABLES, placement="auto")  # the same planner for sequence tables
+    rows = sequence(batch(rank, 0))
     return {
         "groups": len(ebc.groups),
         "replicated": sorted(ebc.replicas.configs),
         "shapes": {k: tuple(v.shape) for k, v in out.items()},
+        "sequence_replicated": sorted(sequence.replicas.configs),
+        "sequence_shapes": {k: tuple(v.values.shape) for k, v in rows.items()},
     }
 
 

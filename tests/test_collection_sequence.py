@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -9,6 +11,7 @@ from torch import nn
 import shardvar
 import shardvar.optim as so
 from shardvar import EmbeddingCollection, JaggedRows, KeyedJagged, TableConfig
+from shardvar.nn import EmbeddingBagDict
 
 WIDTHS = {"grouped": (4, 4, 4), "apart": (4, 5, 6)}
 ROWS = {"history": 40, "item": 25, "ctx": 9}
@@ -145,3 +148,25 @@ def test_fused_row_wise_adagrad_trains_and_the_state_reshards_through_a_checkpoi
 def test_bad_input_is_refused(call, error, match) -> None:
     with pytest.raises(error, match=match):
         call()
+
+
+def test_partition_model_makes_a_models_dict_of_embeddings_a_sequence_collection() -> None:
+    model = nn.Module()
+    model.tables = nn.ModuleDict(
+        {"clicks": nn.Embedding(40, 6), "item": nn.Embedding(30, 6), "bag": nn.EmbeddingBag(9, 6)}
+    )
+    stock = copy.deepcopy(model)
+    part = shardvar.partition_model(model, {"tables.clicks.weight": 4}, collections=["tables"])
+    assert isinstance(model.tables, EmbeddingBagDict) and model.tables["clicks"].layout.num_shards == 4
+    assert list(model.state_dict()) == list(stock.state_dict()) and "tables.clicks.weight" in part.parameters
+    batch = KeyedJagged(
+        ("clicks", "item", "bag"), torch.tensor([1, 39, 5, 2, 29, 8]), torch.tensor([[2, 1], [1, 1], [0, 1]])
+    )
+    with torch.profiler.profile() as prof:
+        out = model.tables(batch)
+    assert sum(e.count for e in prof.key_averages() if e.key == "aten::embedding") == 1  # both embeddings, one kernel
+    assert torch.equal(out["clicks"].values, stock.tables.clicks(torch.tensor([1, 39, 5])))
+    assert out["clicks"].lengths.tolist() == [2, 1] and torch.equal(
+        out["item"].values, stock.tables.item(torch.tensor([2, 29]))
+    )
+    torch.testing.assert_close(out["bag"], stock.tables.bag(torch.tensor([8]), torch.tensor([0, 0])))
