@@ -24,6 +24,7 @@ from .._validate import check_choice, check_int
 from ..layout import Layout, as_ids, check_ids
 from ..variables import ShardedVariable
 from ..variables._functional import _check_bag, slab_weight
+from ._bag_grad import sparse_bag
 from ._embedding import ShardedEmbedding, ShardedEmbeddingBag
 from ._jagged import KeyedJagged, check_names, jagged_split
 
@@ -264,7 +265,10 @@ def _lookup_group(
     table, weight = tables[names[0]], slab_weight(store)
     if not isinstance(table, nn.EmbeddingBag):  # a sequence collection: every id's row, bag by bag
         return jagged_split(F.embedding(rows, weight, sparse=table.sparse), offs, counts, present)
-    pooled = F.embedding_bag(rows, weight, offs, mode=table.mode, sparse=table.sparse, per_sample_weights=psw)
+    if table.sparse:  # the gradient of each distinct row, summed over its bags at once (max has no sparse mode)
+        pooled = sparse_bag(rows, weight, offs, table.mode, psw)
+    else:
+        pooled = F.embedding_bag(rows, weight, offs, mode=table.mode, per_sample_weights=psw)
     return dict(zip(present, pooled.split(counts), strict=True))
 
 

@@ -34,6 +34,8 @@ def _sparse_rows(table: Table, s: int, x: torch.Tensor, first: int, step: int) -
 
 
 def _summed(rows: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all()):
+        return rows, values  # one row each already (a collection's gradient is summed per row): nothing to add
     unique, inverse = torch.unique(rows, return_inverse=True)
     out = torch.zeros(unique.numel(), values.shape[1], dtype=values.dtype, device=values.device)
     return unique, out.index_add_(0, inverse, values)
