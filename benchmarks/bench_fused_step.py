@@ -1,6 +1,7 @@
 """The fused training step of a collection against plain torch (issue 25, part 6), measured interleaved.
 
-    python benchmarks/bench_fused_step.py [--tables 8] [--rows-log2 16] [--dim 64] [--batch 2048] [--rounds 5]
+    python benchmarks/bench_fused_step.py [--tables 8] [--rows-log2 16] [--dim 64] [--batch 2048] [--shards 1]
+                                          [--rounds 5] [--quick]
 
 Three steps (forward, backward, row-wise Adagrad update), each round timing every one in turn:
 - ``plain``: ``--tables`` ``nn.EmbeddingBag(sparse=True)`` and ``torch.optim.Adagrad`` (the baseline);
@@ -49,7 +50,10 @@ def main() -> None:
     parser.add_argument("--ids", type=int, default=20, help="ids per bag")
     parser.add_argument("--shards", type=int, default=1, help="mod shards per table")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (a check that it runs)")
     args = parser.parse_args()
+    if args.quick:
+        args.tables, args.rows_log2, args.batch, args.rounds = 2, 10, 64, 1
     rows, n = 1 << args.rows_log2, args.batch * args.ids
     names = [f"t{i}" for i in range(args.tables)]
     ids = {k: zipf_ids(n, rows, seed=i) for i, k in enumerate(names)}
