@@ -265,10 +265,10 @@ def _lookup_group(
     table, weight = tables[names[0]], slab_weight(store)
     if not isinstance(table, nn.EmbeddingBag):  # a sequence collection: every id's row, bag by bag
         return jagged_split(F.embedding(rows, weight, sparse=table.sparse), offs, counts, present)
-    if table.sparse:  # the gradient of each distinct row, summed over its bags at once (max has no sparse mode)
+    if table.sparse and table.mode != "max":  # each distinct row's gradient, summed over its bags at once
         pooled = sparse_bag(rows, weight, offs, table.mode, psw)
     else:
-        pooled = F.embedding_bag(rows, weight, offs, mode=table.mode, per_sample_weights=psw)
+        pooled = F.embedding_bag(rows, weight, offs, mode=table.mode, sparse=table.sparse, per_sample_weights=psw)
     return dict(zip(present, pooled.split(counts), strict=True))
 
 
