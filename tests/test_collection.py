@@ -153,6 +153,15 @@ def test_checkpoints_restore_into_plain_bags_and_other_layouts_with_optimizer_st
     assert list(ebc.state_dict()) == [f"embedding_bags.{k}.weight" for k in CONFIGS]
 
 
+def test_each_table_is_held_once_in_its_groups_allocation(grouping) -> None:
+    ebc = EmbeddingBagCollection(configs(grouping))  # as built: nothing has looked at the tables yet
+    for names, variable in ebc._groups:
+        group = variable.store.full_slab.untyped_storage().data_ptr()
+        for n in names:  # no table's store keeps the allocation it was built in
+            slabs = [g.slab for g in ebc.embedding_bags[n]._store.groups]  # not .store, which refreshes
+            assert all(slab is not None and slab.untyped_storage().data_ptr() == group for slab in slabs)
+
+
 def test_tables_moved_apart_are_looked_up_one_by_one(grouping) -> None:
     ebc, plain = twins("mean", grouping=grouping)
     ebc.embedding_bags["user"].double().float()  # new memory for one table: the group's slab is gone

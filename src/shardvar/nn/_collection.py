@@ -186,6 +186,8 @@ def batch_tables(bags: Mapping[str, Table]) -> list[tuple[list[str], ShardedVari
                 slab[start : start + p.shape[0]].copy_(p)
                 p.set_(slab.untyped_storage(), start * dim, p.shape, p.stride())
                 start += p.shape[0]
+        for n in names:  # each table's store lets go of its own allocation: the tables are held once
+            bags[n].store.refresh()
         groups.append((names, ShardedVariable(shards)))
     return groups
 
