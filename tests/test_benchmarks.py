@@ -19,6 +19,7 @@ BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
         ("bench_collection.py", ["all_to_all calls per step", "collection step vs 26 ShardedEmbeddingBags"]),
         ("bench_dynamic.py", ["lookup, dim 16", "insert", "memory per row of capacity"]),
         ("bench_optim.py", ["RowWiseAdagrad vs SparseAdam", "RowWiseAdagrad state / table", "peak of 3 steps"]),
+        ("bench_fused_step.py", ["ratio to plain", "per-id"]),
     ],
 )
 def test_benchmark_runs_quick(script: str, prints: list[str]) -> None:

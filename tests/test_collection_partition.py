@@ -128,3 +128,4 @@ def test_auto_placement_in_a_process_group(tmp_path) -> None:
     (result,) = run_ranks(1, "dist_collection_workers:auto_placement", tmp_path)
     assert result["replicated"] == ["a", "b", "c", "d", "e", "f", "g"]  # all tiny: every table replicated
     assert result["groups"] == 0 and result["shapes"]["d"] == (3, 6)
+    assert result["sequence_replicated"] == result["replicated"] and result["sequence_shapes"]["d"] == (6, 6)

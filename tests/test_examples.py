@@ -60,3 +60,27 @@ def test_dlrm_example_trains_the_unsharded_model_on_one_two_and_three_processes(
         want = plain.state_dict()[name.removeprefix("model/")]
         for label, _, _ in cases:
             torch.testing.assert_close(shardvar.read_shard(tmp_path / label, name), want, atol=1e-5, rtol=0)
+
+
+def test_sequence_model_example_learns_and_its_table_restores_into_a_plain_embedding(tmp_path) -> None:
+    import torch
+    from torch import nn
+
+    import shardvar
+
+    script = [str(ROOT / "examples" / "sequence_model.py"), "--steps", "60", "--save", str(tmp_path / "ck")]
+    out = subprocess.run(
+        [sys.executable, *script],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    first, last = map(float, re.search(r"loss (\d\.\d+) -> (\d\.\d+)", out.stdout).groups())
+    assert last < first - 0.05, out.stdout
+    plain = nn.ModuleDict({"embeddings": nn.ModuleDict({"item": nn.Embedding(400, 16)})})
+    shardvar.load({"model": plain}, tmp_path / "ck")  # the sharded, trained table as a plain nn.Embedding
+    other = shardvar.EmbeddingCollection({"item": shardvar.TableConfig(400, 16, 3, "div", feature_names=["history"])})
+    shardvar.load({"model": other}, tmp_path / "ck")  # and into another layout
+    assert torch.equal(other.embeddings["item"].weight.to_tensor(), plain["embeddings"]["item"].weight)

@@ -31,6 +31,8 @@ from .dynamic import DynamicEmbedding, DynamicEmbeddingBag
 from .layout import Layout, SlicePlan, ceil_sizes
 from .nn import (
     EmbeddingBagCollection,
+    EmbeddingCollection,
+    JaggedRows,
     KeyedJagged,
     ShardedEmbedding,
     ShardedEmbeddingBag,
@@ -112,6 +114,8 @@ __all__ = [
     "open",
     "EmbeddingBagCollection",
     "KeyedJagged",
+    "EmbeddingCollection",
+    "JaggedRows",
     "TableConfig",
     "dynamic",
     "optim",

@@ -1,7 +1,7 @@
 """Shards spread over the ranks of a torch.distributed process group (gloo on CPU, NCCL on CUDA)."""
 
 from ._checkpoint import load, save
-from ._collection import DistributedEmbeddingBagCollection
+from ._collection import DistributedEmbeddingBagCollection, DistributedEmbeddingCollection
 from ._comm import DEFAULT_TIMEOUT, Comm
 from ._dynamic import DistributedDynamicEmbedding
 from ._module import DistributedEmbedding, DistributedEmbeddingBag
@@ -15,6 +15,7 @@ __all__ = [
     "DistributedEmbedding",
     "DistributedEmbeddingBag",
     "DistributedEmbeddingBagCollection",
+    "DistributedEmbeddingCollection",
     "DistributedShardedVariable",
     "distributed_store",
     "load",

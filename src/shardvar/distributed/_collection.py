@@ -7,33 +7,34 @@ split sizes, the ids, the rows back, the gradient rows in backward), whatever th
 tables. Each table keeps its own layout and placement (``"row"``: its shards round robin over
 the ranks; ``"table"``: whole on one rank, chosen round robin over the tables; or a rank) and is
 checkpointed as its own logical variable, so it restores into another world size, other layouts,
-a local ``EmbeddingBagCollection`` or plain ``nn.EmbeddingBag``s.
+a local ``EmbeddingBagCollection`` or plain ``nn.EmbeddingBag``s. ``DistributedEmbeddingCollection`` is the
+same over ``nn.Embedding``-like groups: each feature's rows, not bags, in the same one exchange per group.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from .._errors import ShardvarTypeError, ShardvarValueError
-from .._validate import check_choice
 from ..layout import Layout
 from ..nn import KeyedJagged, TableConfig
-from ..nn._collection import pack
+from ..nn._collection import check_tables, feature_map, pack, split_inputs
+from ..nn._jagged import jagged_split
 from ..variables import RowInitializer, ShardsView
 from ..variables._create import to_layout
 from ._comm import DEFAULT_TIMEOUT, Comm
-from ._module import DistributedEmbeddingBag
+from ._module import DistributedEmbedding, DistributedEmbeddingBag
 from ._placement import plan_collection
 from ._replicas import Replicas
 
-__all__ = ["DistributedEmbeddingBagCollection"]
+__all__ = ["DistributedEmbeddingBagCollection", "DistributedEmbeddingCollection"]
 
 
-class _GroupBag(DistributedEmbeddingBag):
+class _Unnamed:
     """The group's distributed table; the collection names its tables, so it names none itself."""
 
     def sharded_variables(self) -> dict[str, Any]:
@@ -41,6 +42,14 @@ class _GroupBag(DistributedEmbeddingBag):
 
     def distributed_variables(self) -> dict[str, Any]:
         return {}
+
+
+class _GroupBag(_Unnamed, DistributedEmbeddingBag):
+    """A pooled collection's group: bags of the group's rows."""
+
+
+class _GroupRows(_Unnamed, DistributedEmbedding):
+    """A sequence collection's group: every id's row."""
 
 
 class _Renumbered:
@@ -75,6 +84,9 @@ class DistributedEmbeddingBagCollection(nn.Module):
     :func:`plan_collection` (replicate the tiny, split the large by rows, balance the rest whole).
     """
 
+    pooled: ClassVar[bool] = True  # bags per feature; the sequence twin returns every id's row
+    prefix: ClassVar[str] = "embedding_bags"  # the tables' names: <prefix>.<table>.weight
+
     def __init__(
         self,
         tables: dict[str, TableConfig],
@@ -86,8 +98,7 @@ class DistributedEmbeddingBagCollection(nn.Module):
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         super().__init__()
-        if not isinstance(tables, dict) or not tables or not all(isinstance(c, TableConfig) for c in tables.values()):
-            raise ShardvarTypeError(f"tables must be a non-empty dict of name -> TableConfig; got {tables!r:.80}")
+        check_tables(tables, sparse, self.pooled)
         world = Comm(group, timeout).world
         placement = plan_collection(tables, world) if placement == "auto" else placement or {}
         if not isinstance(placement, dict):
@@ -95,14 +106,14 @@ class DistributedEmbeddingBagCollection(nn.Module):
         unknown = sorted(set(placement) - set(tables))
         if unknown:
             raise ShardvarValueError(f"placement names tables {unknown} that are not in the collection")
-        for name, cfg in tables.items():
-            check_choice(cfg.mode, f"mode of table {name!r}", ("sum", "mean", "max"))
         self.configs = dict(tables)
+        self.feature_tables = feature_map(tables)
         init = initializer or RowInitializer()
         first = dict(zip(tables, [0, *itertools.accumulate(c.num_embeddings for c in tables.values())], strict=False))
         replicated = {n: c for n, c in tables.items() if placement.get(n) == "replicate"}
-        self.replicas = Replicas(replicated, sparse, init, {n: first[n] for n in replicated}, Comm(group, timeout))
-        self.embedding_bags = self.replicas.embedding_bags  # the replicated tables' parameters
+        comm = Comm(group, timeout)
+        self.replicas = Replicas(replicated, sparse, init, {n: first[n] for n in replicated}, comm, self.pooled)
+        self.add_module(self.prefix, self.replicas.embedding_bags)  # the replicated tables' parameters
         self.layouts: dict[str, Layout] = {}
         by_kind: dict[tuple[int, str], list[str]] = {}
         for name, cfg in tables.items():
@@ -123,10 +134,11 @@ class DistributedEmbeddingBagCollection(nn.Module):
                 sizes += list(layout.sizes)
                 ranks += _ranks(placement.get(name, "row"), layout, list(tables).index(name), world, name)
                 numbers += [first[name] + layout.shard_ids(s) for s in range(layout.num_shards)]
+            cls, options = (_GroupBag, {"mode": mode}) if self.pooled else (_GroupRows, {})
             bags.append(
-                _GroupBag(
-                    start, dim, Layout.explicit(sizes), mode=mode, sparse=sparse, placement=ranks,
-                    initializer=_Renumbered(init, torch.cat(numbers)), group=group, timeout=timeout,
+                cls(
+                    start, dim, Layout.explicit(sizes), sparse=sparse, placement=ranks,
+                    initializer=_Renumbered(init, torch.cat(numbers)), group=group, timeout=timeout, **options,
                 )
             )  # fmt: skip
         for bag in bags:
@@ -134,7 +146,7 @@ class DistributedEmbeddingBagCollection(nn.Module):
         self.bags = nn.ModuleList(bags)
 
     def sharded_variables(self) -> dict[str, ShardsView]:
-        """Each table as one logical variable, named as in ``EmbeddingBagCollection``, in its own layout."""
+        """Each table as one logical variable, named as in the local collection, in its own layout."""
         out = {}
         for names, bag in zip(self.groups, self.bags, strict=True):
             local, first = bag.store.local_shards(), 0
@@ -142,7 +154,7 @@ class DistributedEmbeddingBagCollection(nn.Module):
                 layout = self.layouts[name]
                 mine = {s: local[first + s] for s in range(layout.num_shards) if first + s in local}
                 cfg = self.configs[name]
-                out[f"embedding_bags.{name}.weight"] = ShardsView(
+                out[f"{self.prefix}.{name}.weight"] = ShardsView(
                     layout, (cfg.num_embeddings, cfg.embedding_dim), bag.store.dtype, mine
                 )
                 first += layout.num_shards
@@ -156,17 +168,33 @@ class DistributedEmbeddingBagCollection(nn.Module):
         offsets: dict[str, Any] | None = None,
         per_sample_weights: dict[str, Any] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Bags per table. Collective: every rank calls it, with a feature for every table."""
-        if isinstance(features, KeyedJagged):
-            features, offsets, per_sample_weights = features.split()
-        if not isinstance(features, dict) or set(features) != set(self.configs) | set(self.replicas.configs):
-            got = sorted(features) if isinstance(features, dict) else type(features).__name__
-            raise ShardvarValueError(f"every rank gives a feature for every table {sorted(self.configs)}; got {got}")
-        offsets, weights = offsets or {}, per_sample_weights or {}
-        out: dict[str, torch.Tensor] = self.replicas(features, offsets, weights)
+        """Bags per feature. Collective: every rank calls it, with every feature of every table.
+
+        A table's features go in one request, so an id two of them hold is sent and fetched once.
+        """
+        table_of = self.feature_tables
+        modes = {f: self.configs[t].mode if self.pooled else None for f, t in table_of.items()}
+        features, offsets, weights = split_inputs(features, offsets, per_sample_weights, modes)
+        if set(features) != set(modes):
+            raise ShardvarValueError(f"every rank gives every feature {sorted(modes)}; got {sorted(features)}")
+        out: dict[str, torch.Tensor] = self.replicas(features, offsets, weights, table_of)
         for names, bag in zip(self.groups, self.bags, strict=True):
-            rows, offs, psw, counts = pack(
-                names, self.layouts, self.starts, bag.mode, bag.store.dtype, features, offsets, weights
-            )
-            out.update(zip(names, bag(rows, offs, per_sample_weights=psw).split(counts), strict=True))
-        return {n: out[n] for n in features}
+            present = [f for f in features if table_of[f] in names]
+            packed = pack(present, table_of, self.layouts, self.starts, bag.store.dtype, features, offsets, weights)
+            rows, offs, psw, counts = packed
+            if not self.pooled:
+                out.update(jagged_split(bag(rows), offs, counts, present))
+                continue
+            out.update(zip(present, bag(rows, offs, per_sample_weights=psw).split(counts), strict=True))
+        return {f: out[f] for f in features}
+
+
+class DistributedEmbeddingCollection(DistributedEmbeddingBagCollection):
+    """``EmbeddingCollection`` sharded over ranks: each feature's rows as ``JaggedRows``, every table of a
+    width served in one exchange per step (the pooled collection's placement, checkpoints and rules).
+
+    Its tables are named ``embeddings.<table>.weight``, as the local ``EmbeddingCollection``'s.
+    """
+
+    pooled = False
+    prefix = "embeddings"

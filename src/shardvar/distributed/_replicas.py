@@ -19,6 +19,7 @@ from torch import nn
 from ..layout import Layout
 from ..nn import TableConfig
 from ..nn._collection import pack
+from ..nn._jagged import jagged_split
 from ..variables import RowInitializer, ShardedVariable
 from ..variables._functional import slab_weight
 from ._comm import Comm
@@ -66,9 +67,15 @@ class Replicas:
     dict then names them ``embedding_bags.<name>.weight``, as the other tables are named)."""
 
     def __init__(
-        self, tables: dict[str, TableConfig], sparse: bool, init: RowInitializer, first: dict[str, int], comm: Comm
+        self,
+        tables: dict[str, TableConfig],
+        sparse: bool,
+        init: RowInitializer,
+        first: dict[str, int],
+        comm: Comm,
+        pooled: bool = True,
     ) -> None:
-        self.configs, self.sparse, self.comm = dict(tables), sparse, comm
+        self.configs, self.sparse, self.comm, self.pooled = dict(tables), sparse, comm, pooled
         self.embedding_bags = nn.ModuleDict(
             {
                 n: _Table(init.rows(first[n] + torch.arange(c.num_embeddings), (c.embedding_dim,), torch.float32))
@@ -81,14 +88,20 @@ class Replicas:
         self.groups = list(by_kind.values())
         self._variables = [ShardedVariable([self.embedding_bags[n].weight for n in names]) for names in self.groups]
 
-    def __call__(self, features: dict, offsets: dict, weights: dict) -> dict[str, torch.Tensor]:
+    def __call__(
+        self, features: dict, offsets: dict, weights: dict, table_of: dict[str, str]
+    ) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for names, variable in zip(self.groups, self._variables, strict=True):
             store, mode = variable.store, self.configs[names[0]].mode
             layouts = {n: Layout.div(self.configs[n].num_embeddings, 1) for n in names}
             starts = dict(zip(names, store.layout.offsets, strict=False))
-            rows, offs, psw, counts = pack(names, layouts, starts, mode, store.dtype, features, offsets, weights)
+            present = [f for f in features if table_of[f] in names]
+            rows, offs, psw, counts = pack(present, table_of, layouts, starts, store.dtype, features, offsets, weights)
             weight = _SummedGrad.apply(slab_weight(store), self.comm)
+            if not self.pooled:  # a sequence collection's: every id's row
+                out.update(jagged_split(F.embedding(rows, weight, sparse=self.sparse), offs, counts, present))
+                continue
             pooled = F.embedding_bag(rows, weight, offs, mode=mode, sparse=self.sparse, per_sample_weights=psw)
-            out.update(zip(names, pooled.split(counts), strict=True))
+            out.update(zip(present, pooled.split(counts), strict=True))
         return out

@@ -21,49 +21,72 @@ from torch import nn
 
 from .._errors import ShardvarTypeError, ShardvarValueError
 from .._validate import check_choice, check_int
-from ..layout import as_ids, check_ids
+from ..layout import Layout, as_ids, check_ids
 from ..variables import ShardedVariable
 from ..variables._functional import _check_bag, slab_weight
-from ._embedding import ShardedEmbeddingBag
+from ._bag_grad import sparse_bag
+from ._embedding import ShardedEmbedding, ShardedEmbeddingBag
+from ._jagged import KeyedJagged, check_names, jagged_split
 
 __all__ = ["EmbeddingBagCollection", "TableConfig", "KeyedJagged"]
+
+Table = ShardedEmbedding | ShardedEmbeddingBag  # a pooled collection's tables are bags, a sequence one's not
 
 
 @dataclass(frozen=True)
 class TableConfig:
-    """One table of a collection: rows, width, how it is split (a count, partitioner or Layout), pooling."""
+    """One table of a collection: rows, width, how it is split (a count, partitioner or Layout), pooling,
+    and the features it serves (``feature_names``; None: the one feature named as the table).
+
+    >>> TableConfig(100, 8, feature_names=["query_user", "candidate_user"]).feature_names
+    ('query_user', 'candidate_user')
+    """
 
     num_embeddings: int
     embedding_dim: int
     partitioner: Any = 1
     partition_strategy: str = "div"
     mode: str = "sum"
+    feature_names: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.feature_names is not None:
+            names = check_names(self.feature_names, "feature_names")
+            if not names:
+                raise ShardvarValueError("feature_names is empty; a table serves at least one feature (None: its name)")
+            object.__setattr__(self, "feature_names", names)  # frozen: set once, as a tuple
 
 
-@dataclass(frozen=True)
-class KeyedJagged:
-    """Ids of several features as one jagged batch: ``values`` of key k are ``lengths[k]`` per bag.
+def check_tables(tables: Any, sparse: bool, pooled: bool) -> None:
+    """A non-empty dict of TableConfigs whose options a collection (pooled or not) can honour."""
+    if not isinstance(tables, dict) or not tables:
+        raise ShardvarTypeError(f"tables must be a non-empty dict of name -> TableConfig; got {tables!r:.80}")
+    for name, cfg in tables.items():
+        if not isinstance(cfg, TableConfig):
+            raise ShardvarTypeError(f"table {name!r} must be a TableConfig; got {type(cfg).__name__}")
+        check_choice(
+            cfg.mode,
+            "mode" if pooled else "mode (an EmbeddingCollection does not pool)",
+            ("sum", "mean", "max") if pooled else ("sum",),
+        )
+        if cfg.mode == "max" and sparse:
+            raise ShardvarValueError(
+                f"table {name!r}: mode 'max' has no sparse gradient (torch's rule); use sum or mean"
+            )
+        check_int(cfg.embedding_dim, "embedding_dim", minimum=1)
 
-    ``lengths`` is ``[len(keys), batch]``; ``weights`` (optional) are per-id weights for sum bags.
-    """
 
-    keys: tuple[str, ...]
-    values: torch.Tensor
-    lengths: torch.Tensor
-    weights: torch.Tensor | None = None
-
-    def split(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Per key: (ids, offsets, weights)."""
-        lengths = torch.as_tensor(self.lengths)
-        if lengths.dim() != 2 or lengths.shape[0] != len(self.keys):
-            raise ShardvarValueError(f"lengths must be [{len(self.keys)} keys, batch]; got {list(lengths.shape)}")
-        per_key = lengths.sum(1).tolist()
-        if sum(per_key) != self.values.numel():
-            raise ShardvarValueError(f"lengths add up to {sum(per_key)} ids; values holds {self.values.numel()}")
-        ids = dict(zip(self.keys, self.values.split(per_key), strict=True))
-        offsets = {k: torch.cumsum(row, 0) - row for k, row in zip(self.keys, lengths, strict=True)}
-        weights = {} if self.weights is None else dict(zip(self.keys, self.weights.split(per_key), strict=True))
-        return ids, offsets, weights
+def feature_map(tables: Mapping[str, TableConfig]) -> dict[str, str]:
+    """Each feature -> the table that serves it; a feature served by two tables is refused."""
+    out: dict[str, str] = {}
+    for name, cfg in tables.items():
+        for feature in cfg.feature_names or (name,):
+            if feature in out:
+                raise ShardvarValueError(
+                    f"feature {feature!r} is served by tables {out[feature]!r} and {name!r}; a feature has one table"
+                )
+            out[feature] = name
+    return out
 
 
 def _as_bags(name: str, ids: Any, offsets: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,17 +114,8 @@ class EmbeddingBagCollection(nn.Module):
         self, tables: dict[str, TableConfig], *, sparse: bool = False, dtype: torch.dtype | None = None
     ) -> None:
         super().__init__()
-        if not isinstance(tables, dict) or not tables:
-            raise ShardvarTypeError(f"tables must be a non-empty dict of name -> TableConfig; got {tables!r:.80}")
-        for name, cfg in tables.items():
-            if not isinstance(cfg, TableConfig):
-                raise ShardvarTypeError(f"table {name!r} must be a TableConfig; got {type(cfg).__name__}")
-            check_choice(cfg.mode, "mode", ("sum", "mean", "max"))
-            if cfg.mode == "max" and sparse:
-                raise ShardvarValueError(
-                    f"table {name!r}: mode 'max' has no sparse gradient (torch's rule); use sum or mean"
-                )
-            check_int(cfg.embedding_dim, "embedding_dim", minimum=1)
+        check_tables(tables, sparse, pooled=True)
+        self.feature_tables = feature_map(tables)
         self.embedding_bags = nn.ModuleDict(
             {
                 name: ShardedEmbeddingBag(
@@ -124,8 +138,13 @@ class EmbeddingBagCollection(nn.Module):
         offsets: dict[str, Any] | None = None,
         per_sample_weights: dict[str, Any] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Bags per feature: ``{name: [bags, dim]}`` (``concat`` joins them for the dense layers)."""
-        return lookup_tables(self.embedding_bags, self._groups, features, offsets, per_sample_weights)
+        """Bags per feature: ``{feature: [bags, dim]}`` (``concat`` joins them for the dense layers).
+
+        The features of one table are looked up together, in one kernel with the other tables of
+        its group: a table's rows are read once per call, however many features it serves.
+        """
+        groups, tables = self._groups, self.feature_tables
+        return lookup_tables(self.embedding_bags, groups, features, offsets, per_sample_weights, tables)
 
     @staticmethod
     def concat(pooled: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -133,14 +152,14 @@ class EmbeddingBagCollection(nn.Module):
         return torch.cat(list(pooled.values()), dim=1)
 
 
-def _batchable(bag: ShardedEmbeddingBag) -> bool:
+def _batchable(bag: Table) -> bool:
     """Looked up with other tables in one kernel: no option that needs the table's own call."""
     plain = bag.padding_idx is None and bag.max_norm is None and not bag.scale_grad_by_freq
-    return plain and not bag.include_last_offset and bag.layout.axis == 0
+    return plain and not getattr(bag, "include_last_offset", False) and bag.layout.axis == 0
 
 
-def batch_tables(bags: Mapping[str, ShardedEmbeddingBag]) -> list[tuple[list[str], ShardedVariable | None]]:
-    """Move the shards of the tables of each (width, mode, dtype, sparse) into one allocation.
+def batch_tables(bags: Mapping[str, Table]) -> list[tuple[list[str], ShardedVariable | None]]:
+    """Move the shards of the tables of each (width, pooling mode, dtype, sparse) into one allocation.
 
     Tables with an option only their own call applies (padding_idx, max_norm, ...) stay apart
     (group variable None) and are looked up by their own forward.
@@ -151,7 +170,9 @@ def batch_tables(bags: Mapping[str, ShardedEmbeddingBag]) -> list[tuple[list[str
         if not _batchable(bag):
             groups.append(([name], None))
             continue
-        by_kind.setdefault((bag.embedding_dim, bag.mode, bag.store.dtype, bag.sparse), []).append(name)
+        by_kind.setdefault((bag.embedding_dim, getattr(bag, "mode", None), bag.store.dtype, bag.sparse), []).append(
+            name
+        )
     for (dim, _, dtype, _), names in by_kind.items():
         shards = [p for n in names for p in bags[n].shards]
         device = shards[0].device
@@ -165,18 +186,42 @@ def batch_tables(bags: Mapping[str, ShardedEmbeddingBag]) -> list[tuple[list[str
                 slab[start : start + p.shape[0]].copy_(p)
                 p.set_(slab.untyped_storage(), start * dim, p.shape, p.stride())
                 start += p.shape[0]
+        for n in names:  # each table's store lets go of its own allocation: the tables are held once
+            bags[n].store.refresh()
         groups.append((names, ShardedVariable(shards)))
     return groups
 
 
 def lookup_tables(
-    bags: Mapping[str, ShardedEmbeddingBag],
+    bags: Mapping[str, Table],
     groups: list[tuple[list[str], ShardedVariable | None]],
     features: Any,
     offsets: dict[str, Any] | None,
     per_sample_weights: dict[str, Any] | None,
+    table_of: Mapping[str, str] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Bags of each feature, one kernel per group of :func:`batch_tables`; everything checked first."""
+    """Bags of each feature (served by table ``table_of[feature]``, default: the table of its name), one
+    kernel per group of :func:`batch_tables`; everything checked first."""
+    table_of = table_of if table_of is not None else {n: n for n in bags}
+    modes = {f: getattr(bags[t], "mode", None) for f, t in table_of.items()}
+    features, offsets, weights = split_inputs(features, offsets, per_sample_weights, modes)
+    out: dict[str, torch.Tensor] = {}
+    for names, variable in groups:
+        present = [f for f in features if table_of[f] in names]
+        if present:
+            out.update(_lookup_group(bags, present, table_of, names, variable, (features, offsets, weights)))
+    return {f: out[f] for f in features}
+
+
+def split_inputs(
+    features: Any, offsets: Any, per_sample_weights: Any, modes: Mapping[str, str | None]
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(ids, offsets, weights) by feature, from dicts or a KeyedJagged, checked against the tables' modes
+    (None: a table that does not pool).
+
+    Whatever the grouping of the tables, weights given for some features weight those and the
+    others pool unweighted; offsets or weights for a feature without ids are refused.
+    """
     if isinstance(features, KeyedJagged):
         if offsets is not None or per_sample_weights is not None:
             raise ShardvarValueError("a KeyedJagged carries its own lengths and weights")
@@ -185,82 +230,107 @@ def lookup_tables(
         raise ShardvarTypeError(
             f"features must be a dict of name -> ids, or a KeyedJagged; got {type(features).__name__}"
         )
-    unknown = sorted(set(features) - set(bags), key=str)
+    unknown = sorted(set(features) - set(modes), key=str)
     if unknown:
-        raise ShardvarValueError(f"no table named {unknown}; the tables are {list(bags)}")
-    offsets, weights = offsets or {}, per_sample_weights or {}
-    out: dict[str, torch.Tensor] = {}
-    for names, variable in groups:
-        present = [n for n in names if n in features]
-        if present:
-            out.update(_lookup_group(bags, present, names, variable, features, offsets, weights))
-    return {n: out[n] for n in features}
+        raise ShardvarValueError(f"no feature named {unknown}; the features are {list(modes)}")
+    given = {"offsets": offsets or {}, "per_sample_weights": per_sample_weights or {}}
+    for what, by_name in given.items():
+        if not isinstance(by_name, dict):
+            raise ShardvarTypeError(f"{what} must be a dict of name -> tensor; got {type(by_name).__name__}")
+        stray = sorted(set(by_name) - set(features), key=str)
+        if stray:
+            raise ShardvarValueError(f"{what} given for {stray}, which have no ids; the features are {list(features)}")
+    for f in given["per_sample_weights"]:
+        if modes[f] is None:
+            raise ShardvarValueError(f"feature {f!r} is not pooled (an EmbeddingCollection's): it takes no weights")
+        if modes[f] != "sum":
+            raise ShardvarValueError(
+                f"per_sample_weights go with mode 'sum' (torch's rule); feature {f!r} has mode {modes[f]!r}"
+            )
+    return features, given["offsets"], given["per_sample_weights"]
 
 
 def _lookup_group(
-    tables: Mapping[str, ShardedEmbeddingBag],
+    tables: Mapping[str, Table],
     present: list[str],
+    table_of: Mapping[str, str],
     names: list[str],
     variable: ShardedVariable | None,
-    features: dict,
-    offsets: dict,
-    weights: dict,
+    inputs: tuple[dict, dict, dict],
 ) -> dict[str, torch.Tensor]:
-    bags = [tables[n] for n in present]
     store = variable.store if variable is not None else None
-    if store is None or store.full_slab is None:  # a table apart, or its shards moved: one by one
-        return {
-            n: b(*_as_bags(n, features[n], offsets.get(n)), per_sample_weights=weights.get(n))
-            for n, b in zip(present, bags, strict=True)
-        }
+    if store is None or store.full_slab is None:  # a table apart, or its shards moved: table by table
+        return {f: x for n in names for f, x in _lookup_table(tables[n], n, present, table_of, inputs).items()}
     starts = dict(zip(names, _starts(tables, names), strict=True))
-    layouts = {n: b.layout for n, b in zip(present, bags, strict=True)}
-    rows, offs, psw, counts = pack(present, layouts, starts, bags[0].mode, store.dtype, features, offsets, weights)
-    pooled = F.embedding_bag(
-        rows, slab_weight(store), offs, mode=bags[0].mode, sparse=bags[0].sparse, per_sample_weights=psw
-    )
+    layouts = {n: tables[n].layout for n in names}
+    rows, offs, psw, counts = pack(present, table_of, layouts, starts, store.dtype, *inputs)
+    table, weight = tables[names[0]], slab_weight(store)
+    if not isinstance(table, nn.EmbeddingBag):  # a sequence collection: every id's row, bag by bag
+        return jagged_split(F.embedding(rows, weight, sparse=table.sparse), offs, counts, present)
+    if table.sparse and table.mode != "max":  # each distinct row's gradient, summed over its bags at once
+        pooled = sparse_bag(rows, weight, offs, table.mode, psw)
+    else:
+        pooled = F.embedding_bag(rows, weight, offs, mode=table.mode, sparse=table.sparse, per_sample_weights=psw)
     return dict(zip(present, pooled.split(counts), strict=True))
 
 
+def _lookup_table(
+    table: Table, name: str, present: list[str], table_of: Mapping[str, str], inputs: tuple[dict, dict, dict]
+) -> dict[str, Any]:
+    """The result of a table's features by its own forward: one call for all of them."""
+    mine = [f for f in present if table_of[f] == name]
+    features, offsets, weights = inputs
+    if not mine:
+        return {}
+    pooled = isinstance(table, nn.EmbeddingBag)
+    if len(mine) == 1 and pooled:  # the feature's own offsets as given (a table with include_last_offset reads them so)
+        f = mine[0]
+        return {f: table(*_as_bags(f, features[f], offsets.get(f)), per_sample_weights=weights.get(f))}
+    logical = {name: Layout.div(table.num_embeddings, 1)}  # the table's own ids: its forward finds their shards
+    ids, offs, psw, counts = pack(mine, table_of, logical, {name: 0}, table.store.dtype, *inputs)
+    if not pooled:
+        return jagged_split(table(ids), offs, counts, mine)
+    return dict(zip(mine, table(ids, offs, per_sample_weights=psw).split(counts), strict=True))
+
+
 def pack(
-    names: list[str],
-    layouts: dict[str, Any],
-    starts: dict[str, int],
-    mode: str,
+    present: list[str],
+    table_of: Mapping[str, str],
+    layouts: Mapping[str, Any],
+    starts: Mapping[str, int],
     dtype: torch.dtype,
     features: dict,
     offsets: dict,
     weights: dict,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int]]:
-    """Tables' bags as one: (rows of the shared allocation, offsets, weights or None, bags per table).
+    """Features' bags as one: (rows of the shared allocation, offsets, weights or None, bags per feature).
 
-    Table ``n``'s id ``i`` is row ``starts[n] + storage_row(i)``; each table's ids are checked
-    against its own rows (valid in the allocation is not enough) and its offsets against its ids.
+    Feature ``f``'s id ``i`` is row ``starts[t] + storage_row(i)`` of its table ``t = table_of[f]``;
+    each feature's ids are checked against its table's rows (valid in the allocation is not
+    enough) and its offsets against its ids. Inputs come checked by :func:`split_inputs`;
+    features without weights weigh 1 when others have them.
     """
-    weighted = [n in weights for n in names]
-    if any(weighted) and (not all(weighted) or mode != "sum"):
-        raise ShardvarValueError(
-            f"per_sample_weights go with mode 'sum' and every feature of tables {names} (mode {mode!r}); "
-            f"got them for {[n for n in names if n in weights]}"
-        )
+    weighted = any(f in weights for f in present)
     rows, offs, psw, counts, total = [], [], [], [], 0
-    for n in names:
-        ids, off = _as_bags(n, features[n], offsets.get(n))
-        layout = layouts[n]
+    for f in present:
+        ids, off = _as_bags(f, features[f], offsets.get(f))
+        layout = layouts[table_of[f]]
         check_ids(ids, layout.num_rows)
-        rows.append(starts[n] + layout.strategy.storage_rows(layout.sizes, ids))
+        rows.append(starts[table_of[f]] + layout.strategy.storage_rows(layout.sizes, ids))
         offs.append(off + total)
         counts.append(off.numel())
         total += ids.numel()
-        if n in weights:
-            w = torch.as_tensor(weights[n], dtype=dtype).reshape(-1)
+        if f in weights:
+            w = torch.as_tensor(weights[f], dtype=dtype, device=ids.device).reshape(-1)
             if w.numel() != ids.numel():
-                raise ShardvarValueError(f"feature {n!r}: {w.numel()} per_sample_weights for {ids.numel()} ids")
+                raise ShardvarValueError(f"feature {f!r}: {w.numel()} per_sample_weights for {ids.numel()} ids")
             psw.append(w)
+        elif weighted:  # weight 1 is exactly an unweighted sum: the group's other features keep theirs
+            psw.append(torch.ones(ids.numel(), dtype=dtype, device=ids.device))
     return torch.cat(rows), torch.cat(offs), torch.cat(psw) if psw else None, counts
 
 
-def _starts(tables: Mapping[str, ShardedEmbeddingBag], names: list[str]) -> list[int]:
+def _starts(tables: Mapping[str, Table], names: list[str]) -> list[int]:
     out, start = [], 0
     for n in names:
         out.append(start)

@@ -1,7 +1,8 @@
 """A model's own list or dict of embedding bags, with the collection's one-kernel lookup added.
 
 ``partition_model(..., collections=["emb_l"])`` puts these in place of DLRM's ``emb_l``: they are
-an ``nn.ModuleList`` / ``nn.ModuleDict`` of ``ShardedEmbeddingBag`` (so ``emb_l[k](ids, offsets)``,
+an ``nn.ModuleList`` / ``nn.ModuleDict`` of ``ShardedEmbeddingBag`` (or ``ShardedEmbedding``, whose
+features come back as ``JaggedRows``, as from an ``EmbeddingCollection``) (so ``emb_l[k](ids, offsets)``,
 ``len``, iteration and the state dict keys ``emb_l.0.weight`` ... are the stock model's) whose
 tables share allocations, and calling the container looks every table up at once.
 """
@@ -10,20 +11,20 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from .._errors import ShardvarTypeError, ShardvarValueError
 from ._collection import KeyedJagged, batch_tables, lookup_tables
-from ._embedding import ShardedEmbeddingBag
+from ._embedding import ShardedEmbedding, ShardedEmbeddingBag
 
 __all__ = ["EmbeddingBagList", "EmbeddingBagDict"]
 
 
 def _check_bags(bags: list[Any]) -> None:
-    bad = [i for i, b in enumerate(bags) if not isinstance(b, ShardedEmbeddingBag)]
+    bad = [i for i, b in enumerate(bags) if not isinstance(b, (ShardedEmbeddingBag, ShardedEmbedding))]
     if bad:
-        raise ShardvarTypeError(f"entries {bad} are not ShardedEmbeddingBags; got {type(bags[bad[0]]).__name__}")
+        got = type(bags[bad[0]]).__name__
+        raise ShardvarTypeError(f"entries {bad} are not ShardedEmbeddingBags or ShardedEmbeddings; got {got}")
 
 
 class _Batched:
@@ -100,5 +101,5 @@ class EmbeddingBagDict(_Batched, nn.ModuleDict):
     def _tables(self) -> dict[str, ShardedEmbeddingBag]:
         return dict(self.items())
 
-    def forward(self, features: Any, offsets: Any = None, per_sample_weights: Any = None) -> dict[str, torch.Tensor]:
+    def forward(self, features: Any, offsets: Any = None, per_sample_weights: Any = None) -> dict[str, Any]:
         return lookup_tables(self._tables(), self._grouped(), features, offsets, per_sample_weights)

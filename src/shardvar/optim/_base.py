@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from .._errors import ShardvarIndexError, ShardvarValueError
+from .._errors import ShardvarError, ShardvarIndexError, ShardvarValueError
 from .._validate import check_number
 from ..variables import ShardsView
 from ._tables import Table, find_tables
@@ -34,6 +34,8 @@ def _sparse_rows(table: Table, s: int, x: torch.Tensor, first: int, step: int) -
 
 
 def _summed(rows: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all()):
+        return rows, values  # one row each already (a collection's gradient is summed per row): nothing to add
     unique, inverse = torch.unique(rows, return_inverse=True)
     out = torch.zeros(unique.numel(), values.shape[1], dtype=values.dtype, device=values.device)
     return unique, out.index_add_(0, inverse, values)
@@ -72,7 +74,7 @@ class TableOptimizer(torch.optim.Optimizer):
     update: Update
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
-        check_number(defaults.get("lr", 0.0), "lr", minimum=0)
+        self._check_options(defaults)
         groups = find_tables(params)
         self._groups_tables: list[list[Table]] = []
         torch_groups = []
@@ -81,8 +83,13 @@ class TableOptimizer(torch.optim.Optimizer):
             self._groups_tables.append(group["tables"])
             torch_groups.append({**options, "params": [p for t in group["tables"] for p in t.params]})
         super().__init__(torch_groups, defaults)
+        for i, group in enumerate(self.param_groups):  # every group's own options, before any state exists
+            try:
+                self._check_options(group)
+            except ShardvarError as e:
+                raise type(e)(f"param group {i}: {e}") from None
+        self.slots = self.needed_slots()
         for tables, group in zip(self._groups_tables, self.param_groups, strict=True):
-            self._check_options(group)
             for t in tables:
                 for slot, (row_wise, fill) in self.slots.items():
                     t.add_slot(slot, row_wise, float(group[fill] if isinstance(fill, str) else fill))
@@ -99,7 +106,12 @@ class TableOptimizer(torch.optim.Optimizer):
         """Whether the update is ``weight -= lr * grad`` (sparse rows then need no summing)."""
         return False
 
+    def needed_slots(self) -> dict[str, tuple[bool, str | float]]:
+        """The state every table gets (SGD's momentum buffer only if a group has momentum)."""
+        return dict(self.slots)
+
     def _check_options(self, group: dict[str, Any]) -> None:
+        """Check one param group's options (or the defaults); subclasses add their own options."""
         check_number(group["lr"], "lr", minimum=0)
         check_number(group.get("weight_decay", 0.0), "weight_decay", minimum=0)
 

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from .._errors import ShardvarValueError
 from .._validate import check_bool, check_number
 from ._base import TableOptimizer
 
@@ -36,11 +37,16 @@ class SGD(TableOptimizer):
     def __init__(
         self, params: Any, lr: float = 1e-3, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0
     ) -> None:
-        check_number(momentum, "momentum", minimum=0)
-        if check_bool(nesterov, "nesterov") and momentum <= 0:
-            raise ValueError(f"nesterov momentum needs momentum > 0; got momentum={momentum}")
-        self.slots = {"momentum_buffer": (False, 0.0)} if momentum else {}
         super().__init__(params, {"lr": lr, "momentum": momentum, "nesterov": nesterov, "weight_decay": weight_decay})
+
+    def _check_options(self, group: dict[str, Any]) -> None:
+        super()._check_options(group)
+        check_number(group["momentum"], "momentum", minimum=0)
+        if check_bool(group["nesterov"], "nesterov") and group["momentum"] <= 0:
+            raise ShardvarValueError(f"nesterov momentum needs momentum > 0; got momentum={group['momentum']}")
+
+    def needed_slots(self) -> dict[str, tuple[bool, str | float]]:
+        return {"momentum_buffer": (False, 0.0)} if any(g["momentum"] for g in self.param_groups) else {}
 
     def linear(self, group: dict[str, Any]) -> bool:
         return not group["momentum"] and not group["weight_decay"]
@@ -68,10 +74,13 @@ class Adagrad(TableOptimizer):
         initial_accumulator_value: float = 0.0,
         eps: float = 1e-10,
     ) -> None:
-        for name, v in (("lr_decay", lr_decay), ("initial_accumulator_value", initial_accumulator_value), ("eps", eps)):
-            check_number(v, name, minimum=0)
         defaults = {"lr": lr, "lr_decay": lr_decay, "weight_decay": weight_decay, "eps": eps}
         super().__init__(params, {**defaults, "initial_accumulator_value": initial_accumulator_value})
+
+    def _check_options(self, group: dict[str, Any]) -> None:
+        super()._check_options(group)
+        for name in ("lr_decay", "initial_accumulator_value", "eps"):
+            check_number(group[name], name, minimum=0)
 
     @staticmethod
     def update(w: torch.Tensor, s: dict, g: torch.Tensor, step: int, o: dict, sparse: bool) -> None:
@@ -94,10 +103,13 @@ class RowWiseAdagrad(TableOptimizer):
         initial_accumulator_value: float = 0.0,
         eps: float = 1e-10,
     ) -> None:
-        check_number(initial_accumulator_value, "initial_accumulator_value", minimum=0)
-        check_number(eps, "eps", minimum=0)
         defaults = {"lr": lr, "weight_decay": weight_decay, "eps": eps}
         super().__init__(params, {**defaults, "initial_accumulator_value": initial_accumulator_value})
+
+    def _check_options(self, group: dict[str, Any]) -> None:
+        super()._check_options(group)
+        for name in ("initial_accumulator_value", "eps"):
+            check_number(group[name], name, minimum=0)
 
     @staticmethod
     def update(w: torch.Tensor, s: dict, g: torch.Tensor, step: int, o: dict, sparse: bool) -> None:
@@ -119,9 +131,12 @@ class Adam(TableOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
     ) -> None:
-        _check_betas(betas)
-        check_number(eps, "eps", minimum=0)
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    def _check_options(self, group: dict[str, Any]) -> None:
+        super()._check_options(group)
+        _check_betas(group["betas"])
+        check_number(group["eps"], "eps", minimum=0)
 
     @staticmethod
     def update(w: torch.Tensor, s: dict, g: torch.Tensor, step: int, o: dict, sparse: bool) -> None:
@@ -153,8 +168,8 @@ class RowWiseAdam(Adam):
 
 def _check_betas(betas: Any) -> None:
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"betas must be a pair of numbers in [0, 1); got {betas!r}")
+        raise ShardvarValueError(f"betas must be a pair of numbers in [0, 1); got {betas!r}")
     for b in betas:
         check_number(b, "beta", minimum=0)
         if b >= 1:
-            raise ValueError(f"betas must be in [0, 1); got {betas!r}")
+            raise ShardvarValueError(f"betas must be in [0, 1); got {betas!r}")

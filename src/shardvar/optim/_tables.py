@@ -9,6 +9,7 @@ not once per shard, and the checkpoint saves the state as logical variables in t
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,20 +111,34 @@ def _one(item: Any, name: str) -> list[Table]:
     )
 
 
+def _items(params: Any, what: str) -> list[Any]:
+    if isinstance(params, (nn.Module, ShardedVariable, ShardStore, torch.Tensor)):
+        return [params]
+    if isinstance(params, (str, bytes, dict)) or not isinstance(params, Iterable):
+        raise ShardvarTypeError(
+            f"cannot optimize a {type(params).__name__} given as {what}: give modules, ShardedVariables, parameters, "
+            "(name, parameter) pairs or param-group dicts"
+        )
+    return list(params)
+
+
 def find_tables(params: Any) -> list[dict[str, Any]]:
-    """Param groups of tables: ``[{"tables": [Table, ...], **options}, ...]``, names unique."""
-    items = [params] if isinstance(params, (nn.Module, ShardedVariable, ShardStore, torch.Tensor)) else params
-    if not isinstance(items, Iterable):
-        raise ShardvarTypeError(f"params must be a module, tables or param groups; got {type(params).__name__}")
-    groups, loose = [], []
-    for i, item in enumerate(list(items)):
+    """Param groups of tables: ``[{"tables": [Table, ...], **options}, ...]``, names unique.
+
+    Every form ``torch.optim`` takes works: modules, parameters (or any iterable of them),
+    ``(name, table)`` pairs (``named_parameters()``), and param-group dicts with their own options.
+    A table given without a name is named ``#<i>``, ``i`` counting the items given, across groups.
+    """
+    groups, loose, count = [], [], itertools.count()
+    for i, item in enumerate(_items(params, "params")):
         if isinstance(item, dict):
             if "params" not in item:
                 raise ShardvarValueError(f"param group {i} has no 'params' entry")
-            tables = find_tables(item["params"])[0]["tables"] if item["params"] is not None else []
+            inner = _items(item["params"], f"param group {i}'s 'params'") if item["params"] is not None else []
+            tables = [t for x in inner for t in _one(x, f"#{next(count)}")]
             groups.append({**{k: v for k, v in item.items() if k != "params"}, "tables": tables})
         else:
-            loose += _one(item, f"#{i}")
+            loose += _one(item, f"#{next(count)}")
     if loose:
         groups.insert(0, {"tables": loose})
     seen: dict[str, Table] = {}

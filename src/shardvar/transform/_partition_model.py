@@ -185,9 +185,10 @@ def partition_model(
     """Partition the parameters ``strategy`` names (exact names or glob patterns), in place.
 
     ``collections`` names submodules that are lists or dicts of ``nn.EmbeddingBag`` (DLRM's
-    ``emb_l``): each becomes an ``EmbeddingBagList`` / ``EmbeddingBagDict`` of sharded bags (tables
-    the strategy does not name get one shard), which the model still indexes as before and which,
-    called with every table's ids, looks them all up in one kernel per group of alike tables.
+    ``emb_l``) or ``nn.Embedding`` (sequence features: their results are ``JaggedRows``): each
+    becomes an ``EmbeddingBagList`` / ``EmbeddingBagDict`` of sharded tables (tables the strategy
+    does not name get one shard), which the model still indexes as before and which, called with
+    every table's ids, looks them all up in one kernel per group of alike tables.
 
     ``strategy`` maps names to a partitioner, PartitionerConfig, "1,4,1" string, shard count,
     Layout or PartitionSpec; or it is a :class:`~shardvar.Plan`, whose placement is then used.
@@ -262,9 +263,9 @@ def _collection_containers(module: nn.Module, names: Sequence[str]) -> dict[str,
         if not isinstance(bags, (nn.ModuleList, nn.ModuleDict)) or not len(bags):
             problems.append(f"{name}: a {type(bags).__name__}, not a non-empty nn.ModuleList or nn.ModuleDict")
             continue
-        wrong = [k for k in _keys(bags) if not isinstance(bags.get_submodule(k), nn.EmbeddingBag)]
+        wrong = [k for k in _keys(bags) if not isinstance(bags.get_submodule(k), (nn.EmbeddingBag, nn.Embedding))]
         if wrong:
-            problems.append(f"{name}: entries {wrong} are not nn.EmbeddingBag")
+            problems.append(f"{name}: entries {wrong} are not nn.EmbeddingBag or nn.Embedding")
         out[name] = bags
     if problems:
         raise ShardvarValueError("cannot make these collections:\n  " + "\n  ".join(problems))

@@ -1,0 +1,82 @@
+"""KeyedJagged inputs that would lose data are refused, at construction and by every collection entry point."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import shardvar
+from dist_collection_workers import bad_jagged, unchecked
+from shardvar import EmbeddingBagCollection, KeyedJagged, ShardedEmbeddingBag, TableConfig
+from shardvar.nn import EmbeddingBagDict, EmbeddingBagList
+
+BAD = bad_jagged()
+WIDTHS = {"grouped": 4, "apart": 6}  # table "1" as wide as table "0" (one kernel for both) or not
+
+
+def _bags(width: int) -> list[ShardedEmbeddingBag]:
+    return [ShardedEmbeddingBag(7, 4, 2, "mod"), ShardedEmbeddingBag(7, width)]
+
+
+ENTRY_POINTS = {
+    "EmbeddingBagCollection": lambda w: EmbeddingBagCollection(
+        {"0": TableConfig(7, 4, 2, "mod"), "1": TableConfig(7, w)}
+    ),
+    "EmbeddingBagDict": lambda w: EmbeddingBagDict(dict(zip("01", _bags(w), strict=True))),
+    "EmbeddingBagList": lambda w: EmbeddingBagList(_bags(w)),
+}
+
+
+@pytest.mark.parametrize("kind", BAD)
+def test_construction_refuses_every_bad_kind(kind) -> None:
+    fields, error, match = BAD[kind]
+    with pytest.raises(error, match=match) as caught:
+        KeyedJagged(**fields)
+    assert isinstance(caught.value, shardvar.ShardvarError)
+
+
+@pytest.mark.parametrize("grouping", WIDTHS)
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_every_entry_point_refuses_every_bad_kind_before_any_lookup(entry, grouping, monkeypatch) -> None:
+    module = ENTRY_POINTS[entry](WIDTHS[grouping])
+
+    def no_lookup(*args: object) -> None:
+        raise AssertionError("a lookup ran before the input was checked")
+
+    monkeypatch.setattr(shardvar.nn._collection, "_lookup_group", no_lookup)
+    for kind, (fields, error, match) in BAD.items():
+        with pytest.raises(error, match=match) as caught:
+            module(unchecked(fields))
+        assert isinstance(caught.value, shardvar.ShardvarError), kind
+
+
+def test_tensors_written_in_place_after_construction_are_checked_again() -> None:
+    ebc = ENTRY_POINTS["EmbeddingBagCollection"](4)
+    jagged = KeyedJagged(("0", "1"), torch.tensor([1, 2, 3, 4, 5]), torch.tensor([[2, 1], [0, 2]]))
+    jagged.lengths[1] = torch.tensor([-1, 3])  # still adds up to 5: only the sign check sees it
+    with pytest.raises(ValueError, match="lengths must be >= 0; got -1 for key '1', bag 0"):
+        ebc(jagged)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.lists(st.integers(0, 3), min_size=2, max_size=2), min_size=1, max_size=4),
+    corrupt=st.data(),
+)
+def test_any_jagged_batch_splits_as_sliced_and_any_negative_length_is_refused(lengths, corrupt) -> None:
+    keys = tuple(f"f{i}" for i in range(len(lengths)))
+    values = torch.arange(sum(map(sum, lengths)))
+    ids, offsets, _ = KeyedJagged(keys, values, torch.tensor(lengths)).split()
+    start = 0
+    for k, row in zip(keys, lengths, strict=True):
+        assert ids[k].tolist() == list(range(start, start + sum(row)))
+        assert offsets[k].tolist() == [0, row[0]]
+        start += sum(row)
+    key = corrupt.draw(st.integers(0, len(keys) - 1))
+    bad = torch.tensor(lengths)
+    bad[key, 0] -= sum(map(sum, lengths)) + 1  # negative; the total is moved to the next bag so it still adds up
+    bad[key, 1] += sum(map(sum, lengths)) + 1
+    with pytest.raises(ValueError, match=f"got -\\d+ for key '{keys[key]}', bag 0"):
+        KeyedJagged(keys, values, bad)
