@@ -29,6 +29,7 @@ class Partial:
     shape: tuple[int, ...]
     dtype: torch.dtype
     shards: dict[int, torch.Tensor]
+    packed: dict[str, Any] | None = None  # a packed table's format and width (checkpoint._quantize)
 
 
 def as_partial(value: Any) -> Partial | None:
@@ -37,7 +38,8 @@ def as_partial(value: Any) -> Partial | None:
         return None
     if not all(hasattr(value, a) for a in ("layout", "shape", "dtype")):
         return None
-    return Partial(value.layout, tuple(value.shape), value.dtype, dict(value.local_shards()))
+    packed = getattr(value, "packed", None)
+    return Partial(value.layout, tuple(value.shape), value.dtype, dict(value.local_shards()), packed)
 
 
 @dataclass
