@@ -98,8 +98,8 @@ def _plan_load(chain: Chain, state: State, partial_ok: bool) -> tuple[list[_Targ
     targets = []
     for name, value in state.variables.items():
         entry, files, changes = _source(chain, name)
-        _match(entry, value.dtype, tuple(value.shape))
         check_packed(chain.extra, entry, value.packed if isinstance(value, Partial) else None)
+        _match(entry, value.dtype, tuple(value.shape))
         if isinstance(value, Partial):
             targets.append(_Target(entry, value.layout, sorted(value.shards.items()), files, changes))
         else:

@@ -77,7 +77,7 @@ def quantize(source: Any, dtype: Any, *, dst: str | os.PathLike | None = None, t
     """
     fmt = row_format(dtype)
     if isinstance(source, (str, os.PathLike)):
-        return quantize_checkpoint(source, dst, fmt, tables=tables, **options)
+        return quantize_checkpoint(source, dst, fmt.dtype, tables=tables, **options)
     if dst is not None or tables is not None or options:
         given = sorted(["dst"] * (dst is not None) + ["tables"] * (tables is not None) + list(options))
         raise ShardvarTypeError(f"{given} apply to quantizing a checkpoint path; got a {type(source).__name__}")
