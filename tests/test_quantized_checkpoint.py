@@ -140,3 +140,15 @@ def test_a_damaged_packed_record_is_refused(tmp_path) -> None:
     json.loads((tmp_path / "manifest.json").read_text())
     with pytest.raises(CheckpointError, match="does not match its stored shape"):
         shardvar.open(tmp_path)["emb/weight"]
+
+
+def test_demo_serves_the_trained_model_quantized(capsys) -> None:
+    args = ["demo", "--tables", "4", "--steps", "4", "--batch", "64", "--scale", "0.002", "--no-progress"]
+    assert main([*args, "--quantize"]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split("│")[1].strip(): line.split("│")[2:] for line in out.splitlines() if line.count("│") == 6}
+    assert set(lines) == {"float32", "int8 (quint8)", "int4 (quint4x2)"}
+    assert float(lines["int4 (quint4x2)"][1].strip().rstrip("x")) < float(lines["int8 (quint8)"][1].strip().rstrip("x"))
+    assert abs(float(lines["int8 (quint8)"][3].strip().rstrip("%"))) <= 0.5  # logloss change, relative
+    with pytest.raises(SystemExit, match="--quantize"):
+        main(["demo", "--procs", "2", "--quantize"])

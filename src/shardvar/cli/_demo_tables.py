@@ -27,6 +27,7 @@ from ..checkpoint import load, save
 from ..distributed import plan_collection
 from ..distributed import save as distributed_save
 from ..nn import TableConfig
+from ._demo_quantized import logloss_of, print_quantized, serve_quantized
 from ._table import format_bytes, render_table
 from .dlrm import DLRM, batch, build, tables, train
 
@@ -86,6 +87,12 @@ def _restore(path: Path, configs: dict[str, TableConfig]) -> nn.Module:
     return model
 
 
+def _predict(model: nn.Module, configs: dict[str, TableConfig]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and clicks of held-out batches (steps training never draws)."""
+    held_out = [batch(configs, 2048, 1_000_000 + k) for k in range(2)]
+    return torch.cat([model(d, i) for d, i, _ in held_out]), torch.cat([c for _, _, c in held_out])
+
+
 def run_tables_demo(args: argparse.Namespace) -> int:
     configs = tables(args.scale, args.tables)
     model = build(configs, 1)
@@ -123,6 +130,8 @@ def run_tables_demo(args: argparse.Namespace) -> int:
         diff = float((restored(dense, ids) - reference).abs().max())
     rows["checkpoint"] = f"{path}, restored into 2 div shards per table: predictions max |diff| = {diff:.1e}"
     print(render_table(["summary", ""], [[k, v] for k, v in rows.items()]))
+    if args.quantize:
+        print_quantized(serve_quantized(model, ["embeddings"], logloss_of(lambda m: _predict(m, configs))))
     ok = diff <= 1e-5 and losses[-1] == losses[-1]
     if not ok:
         print("shardvar demo: FAILED (restored predictions differ)")
