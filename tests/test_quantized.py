@@ -165,3 +165,33 @@ def test_moved_buffers_rebuild_the_store() -> None:
     q.to(torch.device("cpu"))
     q.shard_0 = q.shard_0.clone()  # a replaced buffer: the store follows it
     assert torch.equal(q(torch.tensor([[3, 4]])), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.quint8, torch.quint4x2])
+def test_the_documented_row_layout(dtype) -> None:
+    """docs/checkpoint-format.md: elements (4-bit: low nibble first), then scale and bias."""
+    torch.manual_seed(0)
+    rows = torch.randn(5, 8)
+    fmt = row_format(dtype)
+    packed = fmt.pack(rows)
+    if dtype == torch.quint8:
+        q, tail = packed[:, :8].float(), packed[:, 8:].contiguous().view(torch.float32)
+    else:
+        body = packed[:, :4]
+        q = torch.stack([body & 15, body >> 4], dim=-1).reshape(5, 8).float()
+        tail = packed[:, 4:].contiguous().view(torch.float16).float()
+    assert packed.shape == (5, fmt.width(8)) and tail.shape == (5, 2)
+    torch.testing.assert_close(fmt.unpack(packed), q * tail[:, :1] + tail[:, 1:], atol=1e-6, rtol=0)
+    torch.testing.assert_close(tail[:, 1], rows.min(1).values, atol=2e-3, rtol=0)  # bias: the row's minimum
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["sum", "max"])
+def test_a_bad_id_is_named_on_every_path(dtype, mode) -> None:
+    q = quantize(_bag(mode=mode), dtype)  # 3 mod shards of a slab in logical order: the kernel's bound check
+    assert q.store.logical_slab
+    for bad, where in ((40, r"\(1, 0\)"), (-1, r"\(1, 0\)")):
+        with pytest.raises(shardvar.ShardvarIndexError, match=rf"\[0, 40\); got {bad} at position {where}"):
+            q(torch.tensor([[1, 2], [bad, 3]]))
+        with pytest.raises(shardvar.ShardvarIndexError, match=rf"got {bad} at position {where}"):
+            q.lookup(torch.tensor([[1, 2], [bad, 3]]))

@@ -10,6 +10,8 @@ the rows a lookup reads and run ``F.embedding_bag`` on them, which is what the k
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -33,9 +35,23 @@ def _distributed(store: ShardStore) -> bool:
 
 def _ids(store: ShardStore, ids: Any) -> torch.Tensor:
     t = as_ids(ids)
-    if not _distributed(store):  # a distributed lookup checks every rank's ids in its exchange
+    # A slab in logical row order is indexed by the ids themselves, and torch's kernels refuse an
+    # index outside it (``_clear_errors`` names the bad id then): no extra pass over the ids. A
+    # distributed lookup checks every rank's ids in its exchange.
+    if not _distributed(store) and not store.logical_slab:
         check_ids(t, store.layout.num_rows)
     return t
+
+
+@contextmanager
+def _clear_errors(store: ShardStore, ids: torch.Tensor) -> Iterator[None]:
+    """A bad id that reached torch's kernel raises shardvar's IndexError naming it and its position."""
+    try:
+        yield
+    except (RuntimeError, IndexError):
+        if not _distributed(store):
+            check_ids(ids, store.layout.num_rows)
+        raise
 
 
 def _source(store: ShardStore, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,28 +104,31 @@ def bag(
     if offsets is None:  # [bags, ids per bag]
         offsets = torch.arange(ids.shape[0], device=ids.device) * ids.shape[1]
         include_last_offset = False
-    ids, offsets, weights = _without_padding(
+    flat, offsets, weights = _without_padding(
         ids.reshape(-1), offsets, None if weights is None else weights.reshape(-1), padding_idx
     )
-    packed, rows = _source(store, ids)
-    if fmt.bag is not None and mode in _KERNEL_MODES:
-        # Sums only: torch 2.13's kernels return the sum for mode=1 (mean) too, so the mean divides here.
-        out = fmt.bag(packed, rows, offsets, False, 0, False, weights, None, include_last_offset)
-        return out if mode == "sum" else out / _bag_sizes(offsets, ids.numel(), include_last_offset).unsqueeze(1)
-    unique, inverse = torch.unique(rows, return_inverse=True)
-    table = fmt.unpack(packed.index_select(0, unique))
-    return F.embedding_bag(
-        inverse, table, offsets, mode=mode, per_sample_weights=weights, include_last_offset=include_last_offset
-    )
+    with _clear_errors(store, ids):
+        packed, rows = _source(store, flat)
+        if fmt.bag is not None and mode in _KERNEL_MODES:
+            # Sums only: torch 2.13's kernels return the sum for mode=1 (mean) too; the mean divides here.
+            out = fmt.bag(packed, rows, offsets, False, 0, False, weights, None, include_last_offset)
+            return out if mode == "sum" else out / _bag_sizes(offsets, flat.numel(), include_last_offset)[:, None]
+        unique, inverse = torch.unique(rows, return_inverse=True)
+        table = fmt.unpack(packed.index_select(0, unique))
+        return F.embedding_bag(
+            inverse, table, offsets, mode=mode, per_sample_weights=weights, include_last_offset=include_last_offset
+        )
 
 
 def rows(store: ShardStore, fmt: RowFormat, ids: Any, dim: int) -> torch.Tensor:
     """Rows ``ids`` (any shape) dequantized: shape ``ids.shape + [dim]``."""
     ids = _ids(store, ids)
     flat = ids.reshape(-1)
-    packed, at = _source(store, flat)
-    if fmt.bag is None:
-        out = fmt.unpack(packed.index_select(0, at))
-    else:  # one bag per id: the kernel's sum of one row is that row, dequantized
-        out = fmt.bag(packed, at, torch.arange(flat.numel(), device=flat.device), False, 0, False, None, None, False)
+    with _clear_errors(store, ids):
+        packed, at = _source(store, flat)
+        if fmt.bag is None:
+            out = fmt.unpack(packed.index_select(0, at))
+        else:  # one bag per id, straight from the slab: the kernel's sum of one row is that row, dequantized
+            bags = torch.arange(flat.numel(), device=flat.device)
+            out = fmt.bag(packed, at, bags, False, 0, False, None, None, False)
     return out.reshape(*ids.shape, dim)

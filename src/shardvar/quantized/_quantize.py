@@ -45,6 +45,17 @@ def _pack(table: Table, fmt: RowFormat) -> dict[int, torch.Tensor]:
         packed = torch.empty(0, fmt.width(table.embedding_dim), dtype=fmt.storage)
     else:
         packed = fmt.pack(slab)
+    layout = table.layout
+    n, rows = layout.num_shards, layout.num_rows
+    if (
+        store.is_complete
+        and not layout.contiguous
+        and all(len(range(s, rows, n)) == k for s, k in enumerate(layout.sizes))
+    ):
+        # Mod shards as strided views (rows s, s + n, ...) of one slab in logical row order: a
+        # lookup then indexes the slab with the ids themselves, as for one shard (no id mapping).
+        logical = packed.index_select(0, layout.strategy.storage_rows(layout.sizes, torch.arange(rows)))
+        return {s: logical[s::n] for s in range(n)}
     return dict(zip(shards, packed.split([t.shape[0] for t in shards.values()]), strict=True))
 
 

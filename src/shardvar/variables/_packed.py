@@ -66,15 +66,19 @@ class RowFormat:
         return _Q.embedding_bag_byte_prepack(rows) if self.per_byte == 1 else _Q.embedding_bag_4bit_prepack(rows)
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
-        """``[n, width]`` packed rows as ``[n, dim]`` float32 rows (any number of rows, no copy of the table)."""
-        if self.per_byte == 0:
+        """``[..., width]`` packed rows as ``[..., dim]`` float32 rows, as the bag kernel reads them.
+
+        The kernel itself dequantizes (one bag per row), so a row read here, served from a
+        checkpoint or summed into a bag is the same float32 value to the last bit.
+        """
+        if self.bag is None:
             return packed.to(torch.float32)
-        dim = self.dim(packed.shape[-1])
-        body = packed[..., : dim // self.per_byte]
-        scale_bias = self._scale_bias(packed)
-        if self.per_byte == 2:  # low nibble first
-            body = torch.stack([body & 15, body >> 4], dim=-1).reshape(*body.shape[:-1], dim)
-        return body.to(torch.float32) * scale_bias[..., :1] + scale_bias[..., 1:]
+        flat = packed.reshape(-1, packed.shape[-1]).contiguous()
+        at = torch.arange(flat.shape[0], device=packed.device)
+        out = self.bag(flat, at, at, False, 0, False, None, None, False) if flat.shape[0] else None
+        if out is None:
+            out = torch.empty(0, self.dim(packed.shape[-1]), device=packed.device)
+        return out.reshape(*packed.shape[:-1], out.shape[-1])
 
     def step(self, packed: torch.Tensor) -> torch.Tensor:
         """Each row's quantization step (its scale), ``[n]``; 0 for float16 rows (no step)."""
