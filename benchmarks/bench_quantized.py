@@ -56,13 +56,17 @@ def _check(table: torch.Tensor, q: torch.nn.Module, ids: torch.Tensor) -> float:
         return float((q(ids) - F.embedding_bag(ids, deq, mode="sum")).abs().max())
 
 
-def _time(candidates: dict[str, torch.nn.Module], ids: torch.Tensor, repeats: int) -> dict[str, list[float]]:
+def _time(
+    candidates: dict[str, torch.nn.Module], ids: torch.Tensor, repeats: int, min_run_time: float
+) -> dict[str, list[float]]:
     """Per candidate, one median time (ms) per repetition; the candidates take turns within each."""
     times: dict[str, list[float]] = {name: [] for name in candidates}
     with torch.inference_mode():
         for _ in range(repeats):
             for name, module in candidates.items():
-                m = Timer("module(ids)", globals={"module": module, "ids": ids}).blocked_autorange(min_run_time=0.2)
+                m = Timer("module(ids)", globals={"module": module, "ids": ids}).blocked_autorange(
+                    min_run_time=min_run_time
+                )
                 times[name].append(m.median * 1e3)
     return times
 
@@ -77,7 +81,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a small table, few repetitions (a smoke test)")
     args = parser.parse_args()
     if args.quick:
-        args.rows, args.batch, args.repeats = 20_000, 512, 2
+        args.rows, args.batch, args.repeats = 20_000, 512, 1
     torch.manual_seed(0)
     table = torch.randn(args.rows, args.dim)
     print(
@@ -94,7 +98,7 @@ def main() -> None:
     candidates = _candidates(table, [1, 8])
     for label, ids in _id_sets(args).items():
         errors = {name: _check(table, q, ids) for name, q in candidates.items() if name != BASELINE}
-        times = _time(candidates, ids, args.repeats)
+        times = _time(candidates, ids, args.repeats, 0.01 if args.quick else 0.2)
         print(f"\n{label} ids:")
         print_table(
             ["bag forward", "ms median (min-max)", "fp32 / this (min-max)", "bytes / fp32", "max |err|"],

@@ -143,7 +143,7 @@ def test_a_damaged_packed_record_is_refused(tmp_path) -> None:
 
 
 def test_demo_serves_the_trained_model_quantized(capsys) -> None:
-    args = ["demo", "--tables", "4", "--steps", "4", "--batch", "64", "--scale", "0.002", "--no-progress"]
+    args = ["demo", "--tables", "2", "--steps", "2", "--batch", "32", "--scale", "0.002", "--no-progress"]
     assert main([*args, "--quantize"]) == 0
     out = capsys.readouterr().out
     lines = {line.split("│")[1].strip(): line.split("│")[2:] for line in out.splitlines() if line.count("│") == 6}
