@@ -195,3 +195,11 @@ def test_a_bad_id_is_named_on_every_path(dtype, mode) -> None:
             q(torch.tensor([[1, 2], [bad, 3]]))
         with pytest.raises(shardvar.ShardvarIndexError, match=rf"got {bad} at position {where}"):
             q.lookup(torch.tensor([[1, 2], [bad, 3]]))
+
+
+def test_max_norm_rows_are_packed_as_the_float_lookup_leaves_them() -> None:
+    torch.manual_seed(0)
+    emb = ShardedEmbedding(20, 4, partitioner=2, max_norm=1.0)
+    q = quantize(emb, torch.float16)
+    ids = torch.arange(20)
+    torch.testing.assert_close(q(ids), emb(ids).detach().half().float())  # the float lookup renormalises
