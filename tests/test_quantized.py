@@ -135,6 +135,8 @@ def test_training_refused() -> None:
         q(torch.tensor([[1, 2]]))
     with torch.no_grad():
         assert q(torch.tensor([[1, 2]])).shape == (1, 8)
+    with pytest.raises(shardvar.ShardvarTypeError, match="'weight' is quantized \\(quint8\\) and inference-only"):
+        shardvar.RowWiseAdagrad(q)
 
 
 def test_bad_input_refused_before_anything_changes() -> None:
