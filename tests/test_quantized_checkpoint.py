@@ -71,6 +71,8 @@ def test_reshard_and_serve_packed_rows(tmp_path) -> None:
         packed = table.lookup(ids, packed=True)
         assert packed.dtype == torch.uint8 and packed.shape == (2, 2, 8)
         assert torch.equal(packed, q.store.full_slab[q.store.slab_rows(ids)])
+        assert torch.equal(table.read(), q.dequantize())
+        assert table.read(packed=True).shape == (50, 8)
     loaded = quantize(_bag(shards=4, strategy="div"), torch.quint4x2)
     shardvar.load({"emb": loaded}, tmp_path / "b")
     assert torch.equal(loaded.dequantize(), q.dequantize())

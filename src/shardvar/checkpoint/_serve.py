@@ -106,9 +106,10 @@ class ServedTable:
             out[hit] = changed.values.index_select(0, at[hit]).to(out.dtype)
         return out.reshape(*ids.shape, *self.entry.shape[1:])
 
-    def read(self) -> torch.Tensor:
-        """The whole variable (verified), as a new tensor."""
-        return read_shard(self._reader.directory, self.entry.name)
+    def read(self, *, packed: bool = False) -> torch.Tensor:
+        """The whole variable (verified), as a new tensor; a quantized table dequantized unless ``packed``."""
+        stored = read_shard(self._reader.directory, self.entry.name)
+        return stored if self.format is None or check_bool(packed, "packed") else self.format.unpack(stored)
 
 
 class CheckpointReader:
