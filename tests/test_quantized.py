@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import shardvar
 from shardvar import EmbeddingBagCollection, ShardedEmbedding, ShardedEmbeddingBag, TableConfig, quantize
-from shardvar.quantized import QuantizedEmbeddingBagCollection, row_format
+from shardvar.quantized import QuantizedEmbeddingBag, QuantizedEmbeddingBagCollection, row_format
 
 DTYPES = [torch.quint8, torch.quint4x2, torch.float16]
 
@@ -205,3 +205,15 @@ def test_max_norm_rows_are_packed_as_the_float_lookup_leaves_them() -> None:
     q = quantize(emb, torch.float16)
     ids = torch.arange(20)
     torch.testing.assert_close(q(ids), emb(ids).detach().half().float())  # the float lookup renormalises
+
+
+def test_a_slab_in_shard_order_maps_the_ids() -> None:
+    bag = _bag(mode="sum")  # 3 mod shards, here packed back to back in shard order (as a rank's shards lie)
+    fmt = row_format(torch.quint8)
+    slab = fmt.pack(torch.cat([p.detach() for p in bag.shards]))
+    q = QuantizedEmbeddingBag(40, 8, bag.layout, fmt, dict(enumerate(slab.split(list(bag.layout.sizes)))), mode="sum")
+    assert q.store.full_slab is not None and not q.store.logical_slab
+    ids = torch.randint(0, 40, (5, 4))
+    assert torch.equal(q(ids), quantize(bag, torch.quint8)(ids))
+    with pytest.raises(shardvar.ShardvarIndexError, match=r"got 40 at position \(0, 1\)"):
+        q(torch.tensor([[3, 40]]))
