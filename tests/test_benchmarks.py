@@ -18,6 +18,7 @@ BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
         ("bench_paths.py", ["user's shards, 1024 mod", "ShardedEmbeddingBag forward+backward, max", "sparse SGD"]),
         ("bench_collection.py", ["all_to_all calls per step", "collection step vs 26 ShardedEmbeddingBags"]),
         ("bench_dynamic.py", ["lookup, dim 16", "insert", "memory per row of capacity"]),
+        ("bench_quantized.py", ["int8, 8 shards", "fp32 / this", "Zipf(1.05) ids"]),
         ("bench_optim.py", ["RowWiseAdagrad vs SparseAdam", "RowWiseAdagrad state / table", "peak of 3 steps"]),
         ("bench_fused_step.py", ["ratio to plain", "per-id"]),
     ],

@@ -19,6 +19,7 @@ LAYERS = [
     "optim",
     "dynamic",
     "checkpoint",
+    "quantized",
     "distributed",
     "transform",
     "cli",

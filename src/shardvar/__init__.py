@@ -52,6 +52,7 @@ from .partitioners import (
     min_max_variable_partitioner,
     variable_axis_size_partitioner,
 )
+from .quantized import QuantizedEmbedding, QuantizedEmbeddingBag, QuantizedEmbeddingBagCollection, quantize
 from .transform import (
     PartitionSpec,
     Plan,
@@ -137,4 +138,8 @@ __all__ = [
     "shard_tensor",
     "sharded_parameters",
     "variable_axis_size_partitioner",
+    "QuantizedEmbedding",
+    "QuantizedEmbeddingBag",
+    "QuantizedEmbeddingBagCollection",
+    "quantize",
 ]

@@ -4,6 +4,7 @@ from .._errors import CheckpointError, CheckpointIOError
 from ._async import AsyncSave, release_staging
 from ._load import STAGING_BYTES, load
 from ._manifest import Manifest
+from ._quantize import quantize_checkpoint
 from ._reshard import compact, read_shard, read_shards, reshard
 from ._save import save
 from ._serve import CheckpointReader, ServedTable, open_checkpoint
@@ -26,5 +27,6 @@ __all__ = [
     "reshard",
     "ServedTable",
     "open_checkpoint",
+    "quantize_checkpoint",
     "save",
 ]

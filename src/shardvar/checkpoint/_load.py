@@ -20,6 +20,7 @@ from ..layout import Layout
 from ._chain import Chain, RowChanges, apply_rows
 from ._manifest import Manifest, VariableEntry
 from ._optim import check_optimizer
+from ._quantize import check_packed
 from ._restore import Files, _check_file, restore_into, restore_shard, restore_shards, verify_shards
 from ._state import Partial, State, notify, param_names, resolve
 from ._write import Coordinator, Progress, agree
@@ -97,6 +98,7 @@ def _plan_load(chain: Chain, state: State, partial_ok: bool) -> tuple[list[_Targ
     targets = []
     for name, value in state.variables.items():
         entry, files, changes = _source(chain, name)
+        check_packed(chain.extra, entry, value.packed if isinstance(value, Partial) else None)
         _match(entry, value.dtype, tuple(value.shape))
         if isinstance(value, Partial):
             targets.append(_Target(entry, value.layout, sorted(value.shards.items()), files, changes))

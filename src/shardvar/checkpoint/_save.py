@@ -11,7 +11,8 @@ from .._validate import check_bool, check_int
 from ._async import AsyncSave, stage, start, wait_for_previous
 from ._delta import Delta, delta_entries, find_changes, remember
 from ._optim import optimizer_info, optimizer_state
-from ._state import notify, resolve
+from ._quantize import PACKED
+from ._state import Partial, notify, resolve
 from ._write import Coordinator, Entry, Progress, agree, check_dtypes, entry_of, write
 
 __all__ = ["save", "AsyncSave"]
@@ -23,6 +24,9 @@ def _plan_save(state_dict: dict[str, Any]) -> tuple[list[Entry], dict]:
     state = resolve(state_dict)
     entries = [entry_of(name, value) for name, value in state.variables.items()]
     extra: dict[str, Any] = {"optimizers": {}}
+    packed = {n: v.packed for n, v in state.variables.items() if isinstance(v, Partial) and v.packed is not None}
+    if packed:
+        extra[PACKED] = packed
     for key, optimizer in state.optimizers.items():
         entries += [entry_of(n, v) for n, v in optimizer_state(state, key, optimizer).items()]
         extra["optimizers"][key] = optimizer_info(state, key, optimizer)

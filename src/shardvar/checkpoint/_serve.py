@@ -21,10 +21,12 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError
+from .._validate import check_bool
 from ..layout import as_ids, check_ids
 from ._chain import Chain, RowChanges, checkpoint_directory
 from ._files import open_regular
 from ._manifest import MANIFEST, Piece, VariableEntry
+from ._quantize import packed_format
 from ._reshard import read_shard
 from ._safetensors import CHECKSUMS
 
@@ -36,6 +38,7 @@ class ServedTable:
 
     def __init__(self, reader: CheckpointReader, entry: VariableEntry, home: Path, changes: RowChanges | None) -> None:
         self._reader, self.entry, self._home, self._changes = reader, entry, home, changes
+        self.format = packed_format(reader.manifest.extra, entry)  # packed rows: how to dequantize them
         self._verified: list[torch.Tensor] = [torch.zeros(len(p.sums), dtype=torch.bool) for p in entry.pieces]
 
     @property
@@ -46,8 +49,14 @@ class ServedTable:
     def dtype(self) -> torch.dtype:
         return self.entry.dtype
 
+    @property
+    def packed(self) -> str | None:
+        """The packed format of a quantized table (``"quint8"``, ``"quint4x2"``, ``"float16"``), else None."""
+        return None if self.format is None else self.format.name
+
     def __repr__(self) -> str:
-        return f"ServedTable({self.entry.name!r}, shape={list(self.shape)}, dtype={self.dtype})"
+        packed = "" if self.format is None else f", packed={self.format.name!r}"
+        return f"ServedTable({self.entry.name!r}, shape={list(self.shape)}, dtype={self.dtype}{packed})"
 
     def _piece(self, k: int) -> torch.Tensor:
         return self._reader._view(self._home, self.entry, self.entry.pieces[k])
@@ -68,9 +77,16 @@ class ServedTable:
                 )
             done[c] = True
 
-    def lookup(self, ids: Any) -> torch.Tensor:
-        """Rows ``ids`` (any shape) of the variable, read from the files: shape ``ids.shape + row_shape``."""
-        return self._reader._consistent(lambda: self._lookup(ids))
+    def lookup(self, ids: Any, *, packed: bool = False) -> torch.Tensor:
+        """Rows ``ids`` (any shape) of the variable, read from the files: shape ``ids.shape + row_shape``.
+
+        A quantized table's rows come dequantized to float32 (``[..., dim]``), or as stored
+        (``packed=True``: ``[..., width]`` bytes with their scale and bias, see :attr:`packed`).
+        """
+        rows = self._reader._consistent(lambda: self._lookup(ids))
+        if self.format is None or check_bool(packed, "packed"):
+            return rows
+        return self.format.unpack(rows)
 
     def _lookup(self, ids: Any) -> torch.Tensor:
         layout = self.entry.layout
@@ -90,9 +106,10 @@ class ServedTable:
             out[hit] = changed.values.index_select(0, at[hit]).to(out.dtype)
         return out.reshape(*ids.shape, *self.entry.shape[1:])
 
-    def read(self) -> torch.Tensor:
-        """The whole variable (verified), as a new tensor."""
-        return read_shard(self._reader.directory, self.entry.name)
+    def read(self, *, packed: bool = False) -> torch.Tensor:
+        """The whole variable (verified), as a new tensor; a quantized table dequantized unless ``packed``."""
+        stored = read_shard(self._reader.directory, self.entry.name)
+        return stored if self.format is None or check_bool(packed, "packed") else self.format.unpack(stored)
 
 
 class CheckpointReader:

@@ -7,6 +7,8 @@ import argparse
 from .._errors import ShardvarError
 from ..checkpoint import Manifest, compact, reshard
 from ..checkpoint._chain import Chain
+from ..checkpoint._manifest import VariableEntry
+from ..checkpoint._quantize import packed_format
 from ..layout import STRATEGIES
 from ._console import byte_progress, format_bytes, format_sizes, print_table
 
@@ -33,7 +35,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         rows.append(
             [
                 printable(name),
-                str(v.dtype).removeprefix("torch."),
+                _dtype(manifest, v),
                 "x".join(map(str, v.shape)) or "()",
                 layout,
                 format_bytes(v.nbytes),
@@ -46,6 +48,16 @@ def run_inspect(args: argparse.Namespace) -> int:
     if "delta" in manifest.extra:
         _print_chain(args.path)
     return 0
+
+
+def _dtype(manifest: Manifest, v: VariableEntry) -> str:
+    """The stored dtype, or a quantized table's format and width (its bytes include scale and bias)."""
+    try:
+        fmt = packed_format(manifest.extra, v)
+    except ShardvarError as e:
+        raise SystemExit(f"shardvar inspect: {e}") from None
+    stored = str(v.dtype).removeprefix("torch.")
+    return stored if fmt is None else f"{fmt.name} (dim {fmt.dim(v.shape[1])}, {stored} rows)"
 
 
 def _print_chain(path: str) -> None:

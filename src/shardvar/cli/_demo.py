@@ -31,6 +31,7 @@ from ._demo_model import (
     train_twins,
     where,
 )
+from ._demo_quantized import logloss_of, print_quantized, serve_quantized
 
 __all__ = ["add_demo_parser"]
 
@@ -60,6 +61,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
         return run_tables_demo(args)
     if args.procs > 1:
+        if args.quantize:
+            raise SystemExit("shardvar demo: --quantize serves the one-process model; use --tables N or --procs 1")
         from ._demo_distributed import run_distributed
 
         return run_distributed(args)
@@ -126,6 +129,9 @@ def _train_and_restore(args: argparse.Namespace) -> int:
             else f"DIFFER by {diff:.3e}",
         },
     )
+    if args.quantize:
+        u, i, clicks = data.batch(4096, torch.Generator().manual_seed(args.seed + 99))
+        print_quantized(serve_quantized(model, ["users", "items"], logloss_of(lambda m: (m(u, i), clicks))))
     if diff > 1e-6 or not last < first:
         print("shardvar demo: FAILED (predictions differ or the loss did not go down)")
         return 1
@@ -158,4 +164,7 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--scale", type=float, default=0.01, help="with --tables: Criteo's cardinalities times this")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument(
+        "--quantize", action="store_true", help="also serve the trained model's tables at int8 and int4 (one process)"
+    )
     p.set_defaults(func=run_demo)

@@ -28,6 +28,7 @@ from ..distributed import save as distributed_save
 from ..nn import TableConfig
 from ._console import format_bytes, print_table
 from ._demo_model import checkpoint_dir, where
+from ._demo_quantized import logloss_of, print_quantized, serve_quantized
 from .dlrm import DLRM, batch, build, tables, train
 
 __all__ = ["run_tables_demo"]
@@ -86,6 +87,12 @@ def _restore(path: Path, configs: dict[str, TableConfig]) -> nn.Module:
     return model
 
 
+def _predict(model: nn.Module, configs: dict[str, TableConfig]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and clicks of held-out batches (steps training never draws)."""
+    held_out = [batch(configs, 2048, 1_000_000 + k) for k in range(2)]
+    return torch.cat([model(d, i) for d, i, _ in held_out]), torch.cat([c for _, _, c in held_out])
+
+
 def _checkpoint_and_restore(
     args: argparse.Namespace, path: Path, configs: dict, model: nn.Module, losses: list[float], rows: dict, batch: tuple
 ) -> float:
@@ -134,6 +141,8 @@ def run_tables_demo(args: argparse.Namespace) -> int:
     with checkpoint_dir(args) as path:
         diff = _checkpoint_and_restore(args, path, configs, model, losses, rows, (dense, ids, reference))
     print_table(["summary", ""], [[k, v] for k, v in rows.items()])
+    if args.quantize:
+        print_quantized(serve_quantized(model, ["embeddings"], logloss_of(lambda m: _predict(m, configs))))
     ok = diff <= 1e-5 and losses[-1] == losses[-1]
     if not ok:
         print("shardvar demo: FAILED (restored predictions differ)")

@@ -85,6 +85,11 @@ def _from_module(module: nn.Module, prefix: str) -> list[Table]:
             if store is None:  # a view without a store (a distributed collection's table): its shards below
                 continue
             name = f"{mod_name}.{local}" if mod_name else local
+            if getattr(value, "packed", None) is not None:  # the checkpoint protocol's mark of packed rows
+                raise ShardvarTypeError(
+                    f"table {prefix + name!r} is quantized ({value.packed['dtype']}) and inference-only: an optimizer "
+                    "cannot update it; train the float table and quantize it again"
+                )
             tables.append(Table(prefix + name, store))
             taken |= {id(p) for p in store.local_shards().values()}
     for name, p in module.named_parameters():

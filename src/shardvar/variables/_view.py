@@ -8,6 +8,7 @@ what a table optimizer's state slot or a distributed collection's table looks li
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -24,6 +25,7 @@ class ShardsView:
     shape: tuple[int, ...]
     dtype: torch.dtype
     shards: dict[int, torch.Tensor]
+    packed: dict[str, Any] | None = None  # a quantized table's packed format and width (variables._packed)
 
     def local_shards(self) -> dict[int, torch.Tensor]:
         return dict(self.shards)

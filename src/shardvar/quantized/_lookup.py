@@ -1,0 +1,134 @@
+"""Lookups over a packed table's store: bags and rows, one kernel call per table.
+
+A packed table keeps its local shards as views of one packed slab (``quantize`` builds it so),
+so a local lookup maps the ids to slab rows (vectorised, for every strategy) and runs torch's
+row-wise bag kernel once on the slab. A distributed one fetches the packed rows of its distinct
+ids from their owners (the store's ``exchange``: bytes travel, not floats) and runs the same
+kernel on them. Formats or modes without a kernel (float16 rows, ``max`` bags) dequantize just
+the rows a lookup reads and run ``F.embedding_bag`` on them, which is what the kernel computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .._validate import check_choice
+from ..layout import as_ids, check_ids
+from ..variables import ShardStore
+from ..variables._functional import BAG_MODES, _check_bag, _check_weights, gather_local
+from ..variables._packed import RowFormat
+
+__all__ = ["bag", "rows"]
+
+_KERNEL_MODES = ("sum", "mean")
+
+
+def _distributed(store: ShardStore) -> bool:
+    ex = store.exchange
+    return ex is not None and ex.world > 1
+
+
+def _ids(store: ShardStore, ids: Any) -> torch.Tensor:
+    t = as_ids(ids)
+    # A slab in logical row order is indexed by the ids themselves, and torch's kernels refuse an
+    # index outside it (``_clear_errors`` names the bad id then): no extra pass over the ids. A
+    # distributed lookup checks every rank's ids in its exchange.
+    if not _distributed(store) and not store.logical_slab:
+        check_ids(t, store.layout.num_rows)
+    return t
+
+
+@contextmanager
+def _clear_errors(store: ShardStore, ids: torch.Tensor) -> Iterator[None]:
+    """A bad id that reached torch's kernel raises shardvar's IndexError naming it and its position."""
+    try:
+        yield
+    except (RuntimeError, IndexError):
+        if not _distributed(store):
+            check_ids(ids, store.layout.num_rows)
+        raise
+
+
+def _source(store: ShardStore, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed rows, the row of each id among them): the whole slab, or the fetched distinct rows."""
+    slab = store.full_slab
+    if slab is not None and not _distributed(store):
+        return slab, store.slab_rows(ids)
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    with torch.no_grad():  # packed bytes carry no gradient
+        if _distributed(store):
+            fetched = store.exchange.rows(store, unique, sparse=False, max_norm=None, norm_type=2.0)
+        else:
+            fetched = gather_local(store, unique, unique.device)
+    return fetched, inverse
+
+
+def _without_padding(
+    ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, padding_idx: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Drop the padding ids from their bags, as nn.EmbeddingBag leaves them out (mean counts the rest)."""
+    if padding_idx is None:
+        return ids, offsets, weights
+    keep = ids != padding_idx
+    kept_before = torch.cat([keep.new_zeros(1, dtype=torch.int64), keep.cumsum(0)])
+    return ids[keep], kept_before.index_select(0, offsets), None if weights is None else weights[keep]
+
+
+def _bag_sizes(offsets: torch.Tensor, n: int, include_last_offset: bool) -> torch.Tensor:
+    """Ids per bag (at least 1: an empty bag's mean is zero, as nn.EmbeddingBag gives)."""
+    ends = offsets if include_last_offset else torch.cat([offsets, offsets.new_tensor([n])])
+    return ends.diff().clamp_(min=1).to(torch.float32)
+
+
+def bag(
+    store: ShardStore,
+    fmt: RowFormat,
+    ids: Any,
+    offsets: Any = None,
+    *,
+    mode: str = "mean",
+    per_sample_weights: Any = None,
+    padding_idx: int | None = None,
+    include_last_offset: bool = False,
+) -> torch.Tensor:
+    """``F.embedding_bag`` over the dequantized table, computed from the packed rows; checked first."""
+    check_choice(mode, "mode", BAG_MODES)
+    ids = _ids(store, ids)
+    offsets = _check_bag(ids, offsets, include_last_offset)
+    weights = _check_weights(per_sample_weights, ids, mode, torch.float32)
+    if offsets is None:  # [bags, ids per bag]
+        offsets = torch.arange(ids.shape[0], device=ids.device) * ids.shape[1]
+        include_last_offset = False
+    flat, offsets, weights = _without_padding(
+        ids.reshape(-1), offsets, None if weights is None else weights.reshape(-1), padding_idx
+    )
+    with _clear_errors(store, ids):
+        packed, rows = _source(store, flat)
+        if fmt.bag is not None and mode in _KERNEL_MODES:
+            # Sums only: torch 2.13's kernels return the sum for mode=1 (mean) too; the mean divides here.
+            out = fmt.bag(packed, rows, offsets, False, 0, False, weights, None, include_last_offset)
+            return out if mode == "sum" else out / _bag_sizes(offsets, flat.numel(), include_last_offset)[:, None]
+        unique, inverse = torch.unique(rows, return_inverse=True)
+        table = fmt.unpack(packed.index_select(0, unique))
+        return F.embedding_bag(
+            inverse, table, offsets, mode=mode, per_sample_weights=weights, include_last_offset=include_last_offset
+        )
+
+
+def rows(store: ShardStore, fmt: RowFormat, ids: Any, dim: int) -> torch.Tensor:
+    """Rows ``ids`` (any shape) dequantized: shape ``ids.shape + [dim]``."""
+    ids = _ids(store, ids)
+    flat = ids.reshape(-1)
+    with _clear_errors(store, ids):
+        packed, at = _source(store, flat)
+        if fmt.bag is None:
+            out = fmt.unpack(packed.index_select(0, at))
+        else:  # one bag per id, straight from the slab: the kernel's sum of one row is that row, dequantized
+            bags = torch.arange(flat.numel(), device=flat.device)
+            out = fmt.bag(packed, at, bags, False, 0, False, None, None, False)
+    return out.reshape(*ids.shape, dim)
