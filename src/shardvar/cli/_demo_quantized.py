@@ -49,8 +49,8 @@ def print_quantized(results: list[tuple[str, int, float]]) -> None:
     """The served model at each precision: table bytes and evaluation logloss against float32's."""
     _, base_bytes, base_loss = results[0]
     rows = [
-        [label, format_bytes(nbytes), f"{nbytes / base_bytes:.3f}x", f"{loss:.5f}", f"{(loss - base_loss) / base_loss:+.3%}"]
-        for label, nbytes, loss in results
+        [label, format_bytes(n), f"{n / base_bytes:.3f}x", f"{loss:.5f}", f"{(loss - base_loss) / base_loss:+.3%}"]
+        for label, n, loss in results
     ]
     headers = ["tables", "bytes", "vs float32", "eval logloss", "change"]
     print_table(headers, rows, title="served with quantized tables (shardvar.quantize)")
