@@ -203,7 +203,7 @@ def lookup_tables(
     """Bags of each feature (served by table ``table_of[feature]``, default: the table of its name), one
     kernel per group of :func:`batch_tables`; everything checked first."""
     table_of = table_of if table_of is not None else {n: n for n in bags}
-    modes = {f: getattr(bags[t], "mode", None) for f, t in table_of.items()}
+    modes = {f: pooling(bags[t]) for f, t in table_of.items()}
     features, offsets, weights = split_inputs(features, offsets, per_sample_weights, modes)
     out: dict[str, torch.Tensor] = {}
     for names, variable in groups:
@@ -211,6 +211,11 @@ def lookup_tables(
         if present:
             out.update(_lookup_group(bags, present, table_of, names, variable, (features, offsets, weights)))
     return {f: out[f] for f in features}
+
+
+def pooling(table: Table) -> str | None:
+    """How a table pools its bags (its ``mode``), or None for a table that returns every id's row."""
+    return getattr(table, "mode", None)
 
 
 def split_inputs(
@@ -265,7 +270,7 @@ def _lookup_group(
     layouts = {n: tables[n].layout for n in names}
     rows, offs, psw, counts = pack(present, table_of, layouts, starts, store.dtype, *inputs)
     table, weight = tables[names[0]], slab_weight(store)
-    if not isinstance(table, nn.EmbeddingBag):  # a sequence collection: every id's row, bag by bag
+    if pooling(table) is None:  # a sequence collection: every id's row, bag by bag
         return jagged_split(F.embedding(rows, weight, sparse=table.sparse), offs, counts, present)
     if table.sparse and table.mode != "max":  # each distinct row's gradient, summed over its bags at once
         pooled = sparse_bag(rows, weight, offs, table.mode, psw)
@@ -282,7 +287,7 @@ def _lookup_table(
     features, offsets, weights = inputs
     if not mine:
         return {}
-    pooled = isinstance(table, nn.EmbeddingBag)
+    pooled = pooling(table) is not None
     if len(mine) == 1 and pooled:  # the feature's own offsets as given (a table with include_last_offset reads them so)
         f = mine[0]
         return {f: table(*_as_bags(f, features[f], offsets.get(f)), per_sample_weights=weights.get(f))}
