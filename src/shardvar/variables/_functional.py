@@ -189,7 +189,7 @@ def embedding(
     ids, padding_idx, max_norm, norm_type = _prepare(store, ids, padding_idx, max_norm, norm_type, sparse)
     src = _source(store, ids.reshape(-1), padding_idx, max_norm, norm_type, sparse)
     out = F.embedding(src.indices, src.weight, src.padding_idx, src.max_norm, norm_type, scale_grad_by_freq, src.sparse)
-    return out.reshape(*ids.shape, *store.row_shape)
+    return out.reshape((*ids.shape, *store.row_shape))  # a tuple: 0-d ids of 1-D params give a 0-d result
 
 
 def _check_sparse(store: ShardStore, sparse: bool) -> None:

@@ -152,10 +152,12 @@ def _combine(
     if batch > 1:
         offsets[1:] = torch.bincount(bag, minlength=batch)[:-1].cumsum(0)
     if max_norm is None:
-        return _functional.embedding_bag(store, ids, offsets.to(ids.device), mode=mode, per_sample_weights=per_sample)
-    rows = _clip(_functional.gather(store, ids), 1, max_norm)
-    positions = torch.arange(ids.numel(), device=rows.device)
-    return F.embedding_bag(positions, rows, offsets.to(rows.device), mode=mode, per_sample_weights=per_sample)
+        out = _functional.embedding_bag(store, ids, offsets.to(ids.device), mode=mode, per_sample_weights=per_sample)
+    else:
+        rows = _clip(_functional.gather(store, ids), 1, max_norm).reshape(ids.numel(), store.width)
+        positions = torch.arange(ids.numel(), device=rows.device)
+        out = F.embedding_bag(positions, rows, offsets.to(rows.device), mode=mode, per_sample_weights=per_sample)
+    return out.reshape((batch, *store.row_shape))  # bags pool flat rows; params of rank > 2 keep their row shape
 
 
 def _check_combiner(combiner: Any) -> str:
@@ -217,8 +219,8 @@ def safe_embedding_lookup_sparse(
     if default_id is not None:
         empty = torch.bincount(bag.to(out.device), minlength=batch) == 0
         default_row = embedding_lookup(variable, torch.tensor([default_id], device=variable.device), max_norm=max_norm)
-        out = torch.where(empty.reshape(-1, *[1] * (out.dim() - 1)), default_row.to(out.device), out)
-    return out.reshape(*batch_shape, *out.shape[1:])
+        out = torch.where(empty.reshape((-1, *[1] * (out.dim() - 1))), default_row.to(out.device), out)
+    return out.reshape((*batch_shape, *out.shape[1:]))
 
 
 def embedding_bag(

@@ -1,0 +1,124 @@
+"""Every rank of ids x every rank of params, against the unsharded reference (issue 22, parts 2 and 4).
+
+``embedding_lookup`` gives ``ids.shape + params.shape[1:]`` for ids of any rank (0-d and Python ints
+included) and params of any rank; the sparse lookups keep the params' trailing dimensions. Each
+law is checked for every layout (div, mod, ceil), over a slab and over separate shards.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import shardvar
+from shardvar import Layout, ShardedVariable
+
+LAYOUTS = {"div": Layout.div, "mod": Layout.mod, "ceil": Layout.ceil}
+
+
+@st.composite
+def sharded(draw, min_rank: int = 1):
+    """(variable, the unsharded table): any rank >= min_rank, any layout, one slab or separate shards."""
+    rows = draw(st.integers(1, 12))
+    row_shape = draw(st.lists(st.integers(1, 3), min_size=min_rank - 1, max_size=3))
+    table = torch.randn((rows, *row_shape), generator=torch.Generator().manual_seed(draw(st.integers(0, 99))))
+    layout = LAYOUTS[draw(st.sampled_from(sorted(LAYOUTS)))](rows, draw(st.integers(1, 4)))
+    v = shardvar.shard_tensor(table, layout)
+    if draw(st.booleans()):
+        v = ShardedVariable([s.clone() for s in v.variables], strategy=layout.strategy)
+    return v, table
+
+
+def reference_clip(rows: torch.Tensor, ids_ndim: int, max_norm: float) -> torch.Tensor:
+    """The reference's max_norm: each looked-up row (all its trailing dims) clipped to L2 norm max_norm."""
+    dims = tuple(range(ids_ndim, rows.dim()))
+    norm = rows.pow(2).sum(dims, keepdim=True).sqrt() if dims else rows.abs()
+    return torch.where(norm > max_norm, rows * max_norm / norm, rows)
+
+
+@given(sharded(), st.lists(st.integers(0, 3), max_size=3), st.sampled_from([None, 0.5]), st.data())
+@settings(deadline=None, max_examples=30)
+def test_lookup_shape_is_ids_shape_plus_row_shape(pair, ids_shape, max_norm, data) -> None:
+    v, table = pair
+    ids = torch.randint(0, table.shape[0], ids_shape)
+    expected = table[ids]
+    if max_norm is not None:
+        expected = reference_clip(expected, ids.dim(), max_norm)
+    got = shardvar.embedding_lookup(v, ids, max_norm=max_norm)
+    assert got.shape == (*ids.shape, *table.shape[1:])
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(v.sparse_read(ids), table[ids])
+    if ids.dim() == 0:  # a Python int is a 0-d id
+        torch.testing.assert_close(shardvar.embedding_lookup(v, int(ids), max_norm=max_norm), expected)
+        torch.testing.assert_close(v.sparse_read(int(ids)), table[ids])
+
+
+@pytest.mark.parametrize("ids", [torch.tensor(3), 3], ids=["tensor", "int"])
+@pytest.mark.parametrize("strategy", ["div", "mod"])
+def test_zero_d_ids_on_one_d_params_give_a_zero_d_result(ids, strategy) -> None:
+    shards = [torch.tensor([0.0, 1.0, 2.0]), torch.tensor([3.0, 4.0])]
+    table = ShardedVariable(shards, strategy=strategy).to_tensor()
+    got = shardvar.embedding_lookup(shards, ids, partition_strategy=strategy)
+    assert got.shape == () and got == table[3]
+
+
+def sparse_bags(draw, rows: int) -> tuple[list[list[int]], list[list[float]]]:
+    bags = draw(st.lists(st.lists(st.integers(0, rows - 1), max_size=3), min_size=1, max_size=4))
+    weights = [[draw(st.sampled_from([0.5, 1.0, 2.0])) for _ in bag] for bag in bags]
+    return bags, weights
+
+
+def to_sparse(bags: list[list], dtype: torch.dtype) -> torch.Tensor:
+    k = max([len(b) for b in bags] + [1])
+    entries = [(b, j) for b, bag in enumerate(bags) for j in range(len(bag))]
+    values = [x for bag in bags for x in bag]
+    indices = torch.tensor(entries, dtype=torch.int64).reshape(-1, 2).T
+    return torch.sparse_coo_tensor(indices, torch.tensor(values, dtype=dtype), (len(bags), k), check_invariants=True)
+
+
+def reference_bag(table, bag, weights, combiner, max_norm) -> torch.Tensor:
+    """One bag pooled as the reference pools it, over rows of any shape (zeros when empty)."""
+    if not bag:
+        return torch.zeros(table.shape[1:])
+    rows = table[torch.tensor(bag)]
+    if max_norm is not None:
+        rows = reference_clip(rows, 1, max_norm)
+    w = torch.tensor(weights).reshape((-1, *[1] * (rows.dim() - 1)))
+    total = (rows * w).sum(0)
+    denom = {"sum": torch.tensor(1.0), "mean": w.sum(), "sqrtn": w.pow(2).sum().sqrt()}[combiner]
+    return total / denom
+
+
+@given(sharded(min_rank=2), st.sampled_from(["sum", "mean", "sqrtn"]), st.booleans(), st.data())
+@settings(deadline=None, max_examples=20)
+def test_sparse_lookups_keep_the_trailing_dims(pair, combiner, weighted, data) -> None:
+    v, table = pair
+    bags, weights = sparse_bags(data.draw, table.shape[0])
+    max_norm = data.draw(st.sampled_from([None, 0.5]))
+    if not weighted:
+        weights = [[1.0] * len(b) for b in bags]
+    sp_ids, sp_w = to_sparse(bags, torch.int64), to_sparse(weights, table.dtype) if weighted else None
+    expected = torch.stack([reference_bag(table, b, w, combiner, max_norm) for b, w in zip(bags, weights)])
+    for lookup in (shardvar.embedding_lookup_sparse, shardvar.safe_embedding_lookup_sparse):
+        got = lookup(v, sp_ids, sp_w, combiner=combiner, max_norm=max_norm)
+        assert got.shape == (len(bags), *table.shape[1:])
+        torch.testing.assert_close(got, expected)
+    default = data.draw(st.integers(0, table.shape[0] - 1))
+    got = shardvar.safe_embedding_lookup_sparse(v, sp_ids, sp_w, combiner=combiner, default_id=default)
+    empty = [reference_bag(table, [default], [1.0], "sum", None) if not b else None for b in bags]
+    full = [reference_bag(table, b, w, combiner, None) if e is None else e for b, w, e in zip(bags, weights, empty)]
+    torch.testing.assert_close(got, torch.stack(full))
+
+
+@pytest.mark.parametrize("sharding", ["one shard", "div 3", "mod 3"])
+def test_sparse_lookup_of_rank_three_params_gives_batch_by_row_shape(sharding) -> None:
+    table = torch.randn(13, 2, 5)
+    layout = {"one shard": Layout.div(13, 1), "div 3": Layout.div(13, 3), "mod 3": Layout.mod(13, 3)}[sharding]
+    v = shardvar.shard_tensor(table, layout)
+    sp_ids = to_sparse([[0, 12], [5]], torch.int64)
+    for lookup in (shardvar.embedding_lookup_sparse, shardvar.safe_embedding_lookup_sparse):
+        got = lookup(v, sp_ids, combiner="sum")
+        assert got.shape == (2, 2, 5)
+        torch.testing.assert_close(got, torch.stack([table[0] + table[12], table[5]]))
