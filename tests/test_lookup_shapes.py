@@ -100,15 +100,17 @@ def test_sparse_lookups_keep_the_trailing_dims(pair, combiner, weighted, data) -
     if not weighted:
         weights = [[1.0] * len(b) for b in bags]
     sp_ids, sp_w = to_sparse(bags, torch.int64), to_sparse(weights, table.dtype) if weighted else None
-    expected = torch.stack([reference_bag(table, b, w, combiner, max_norm) for b, w in zip(bags, weights)])
+    pooled = [reference_bag(table, b, w, combiner, max_norm) for b, w in zip(bags, weights, strict=True)]
+    expected = torch.stack(pooled)
     for lookup in (shardvar.embedding_lookup_sparse, shardvar.safe_embedding_lookup_sparse):
         got = lookup(v, sp_ids, sp_w, combiner=combiner, max_norm=max_norm)
         assert got.shape == (len(bags), *table.shape[1:])
         torch.testing.assert_close(got, expected)
     default = data.draw(st.integers(0, table.shape[0] - 1))
     got = shardvar.safe_embedding_lookup_sparse(v, sp_ids, sp_w, combiner=combiner, default_id=default)
-    empty = [reference_bag(table, [default], [1.0], "sum", None) if not b else None for b in bags]
-    full = [reference_bag(table, b, w, combiner, None) if e is None else e for b, w, e in zip(bags, weights, empty)]
+    full = [
+        reference_bag(table, b or [default], w or [1.0], combiner, None) for b, w in zip(bags, weights, strict=True)
+    ]
     torch.testing.assert_close(got, torch.stack(full))
 
 
