@@ -22,7 +22,7 @@ from torch.nn.utils import parametrize
 from .._errors import ShardvarTypeError, ShardvarValueError
 from .._validate import check_choice
 from ..layout import Layout
-from ..variables import ShardedVariable, ShardStore, to_layout
+from ..variables import ShardedVariable, ShardStore, attribute_variables, to_layout
 from ._state_dict import FORMS, check_not_assign, load_logical, reorder, save_logical
 
 __all__ = ["ShardsParametrization", "shard_parameter", "sharded_parameters", "set_state_dict_form"]
@@ -193,6 +193,7 @@ def sharded_parameters(module: nn.Module, *, recurse: bool = True) -> dict[str, 
     for path, sub in module.named_modules() if recurse else [("", module)]:
         found = dict(sub.sharded_variables()) if callable(getattr(sub, "sharded_variables", None)) else {}
         found.update(_own(sub))
+        found.update(attribute_variables(sub))  # ShardedVariables assigned as attributes
         out.update({f"{path}.{n}" if path else n: v for n, v in found.items()})
     return out
 

@@ -96,10 +96,10 @@ def _from_module(module: nn.Module, prefix: str) -> list[Table]:
 def _one(item: Any, name: str) -> list[Table]:
     if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
         return _one(item[1], item[0])
+    if isinstance(item, ShardedVariable):  # before nn.Module: a variable is one (of its shards)
+        return [Table(name, item.store)]
     if isinstance(item, nn.Module):  # named: its tables are "<name>.<parameter>"
         return _from_module(item, "" if name.startswith("#") else f"{name}.")
-    if isinstance(item, ShardedVariable):
-        return [Table(name, item.store)]
     if isinstance(item, ShardStore):
         return [Table(name, item)]
     if isinstance(item, torch.Tensor):
