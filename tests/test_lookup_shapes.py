@@ -7,6 +7,8 @@ law is checked for every layout (div, mod, ceil), over a slab and over separate 
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -124,3 +126,130 @@ def test_sparse_lookup_of_rank_three_params_gives_batch_by_row_shape(sharding) -
         got = lookup(v, sp_ids, combiner="sum")
         assert got.shape == (2, 2, 5)
         torch.testing.assert_close(got, torch.stack([table[0] + table[12], table[5]]))
+
+
+# -- jagged ids (issue 22, part 3) ----------------------------------------------------------------
+
+
+def _jagged_forms() -> dict[str, torch.Tensor]:
+    plain = torch.nested.nested_tensor(
+        [torch.tensor([1, 2, 8]), torch.tensor([3]), torch.tensor([0, 0])], layout=torch.jagged
+    )
+    deep = torch.nested.nested_tensor([torch.tensor([[1, 2], [0, 8]]), torch.tensor([[3, 4]])], layout=torch.jagged)
+    holes = torch.nested.nested_tensor_from_jagged(
+        torch.tensor([5, 1, 7, 2, 2, 6]), torch.tensor([0, 3, 4, 6]), lengths=torch.tensor([2, 1, 1])
+    )
+    return {"[B, j]": plain, "[B, j, k]": deep, "ragged dim 2": deep.transpose(1, 2), "with holes": holes}
+
+
+JAGGED = _jagged_forms()
+
+
+def _lookups(v: ShardedVariable) -> dict:
+    """Every id lookup over ``v`` (a [9, 3] table): name -> (call, unsharded reference on one row of ids)."""
+    emb = shardvar.ShardedEmbedding(9, 3, partitioner=v.layout, _weight=v.to_tensor().detach())
+    table = v.to_tensor().detach()
+    return {
+        "embedding_lookup": (lambda ids: shardvar.embedding_lookup(v, ids), lambda ids: table[ids]),
+        "embedding_lookup max_norm": (
+            lambda ids: shardvar.embedding_lookup(v, ids, max_norm=0.5),
+            lambda ids: reference_clip(table[ids], ids.dim(), 0.5),
+        ),
+        "sparse_read": (v.sparse_read, lambda ids: table[ids]),
+        "ShardedEmbedding": (emb, lambda ids: table[ids]),
+    }
+
+
+@pytest.mark.parametrize("form", sorted(JAGGED))
+@pytest.mark.parametrize("layout", ["div", "mod"])
+@pytest.mark.parametrize("entry", ["embedding_lookup", "embedding_lookup max_norm", "sparse_read", "ShardedEmbedding"])
+def test_jagged_ids_give_jagged_rows_in_their_structure(form, layout, entry) -> None:
+    ids = JAGGED[form]
+    v = shardvar.shard_tensor(torch.randn(9, 3, generator=torch.Generator().manual_seed(0)), LAYOUTS[layout](9, 3))
+    call, reference = _lookups(v)[entry]
+    out = call(ids)
+    assert out.is_nested and out.layout == torch.jagged and out.dim() == ids.dim() + 1
+    for got, row in zip(out.unbind(), ids.unbind(), strict=True):
+        torch.testing.assert_close(got, reference(row))
+
+
+def test_gradients_of_jagged_rows_reach_the_shards() -> None:
+    ids = JAGGED["[B, j]"]
+    emb = shardvar.ShardedEmbedding(9, 3, partitioner=3)
+    reference = torch.nn.Embedding.from_pretrained(emb.weight.to_tensor().detach(), freeze=False)
+    emb(ids).values().square().sum().backward()
+    reference(ids.values()).square().sum().backward()
+    torch.testing.assert_close(emb.weight.grad, reference.weight.grad)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("entry", ["ShardedEmbeddingBag", "embedding_bag", "embedding_bag max_norm"])
+def test_jagged_input_to_bags_is_one_bag_per_row(mode, entry) -> None:
+    ids = JAGGED["[B, j]"]
+    table = torch.randn(9, 3, generator=torch.Generator().manual_seed(1))
+    v = shardvar.shard_tensor(table, Layout.mod(9, 3))
+    weights = torch.nested.nested_tensor_from_jagged(torch.rand(ids.values().numel()), ids.offsets())
+    pw = weights if mode == "sum" else None
+    ref_table = reference_clip(table, 1, 0.5) if entry.endswith("max_norm") else table
+    expected = torch.nn.functional.embedding_bag(
+        ids.values(), ref_table, ids.offsets()[:-1], mode=mode, per_sample_weights=None if pw is None else pw.values()
+    )
+    bag = shardvar.ShardedEmbeddingBag(9, 3, partitioner=Layout.mod(9, 3), mode=mode, _weight=table)
+    got = {
+        "ShardedEmbeddingBag": lambda: bag(ids, per_sample_weights=pw),
+        "embedding_bag": lambda: shardvar.embedding_bag(v, ids, mode=mode, per_sample_weights=pw),
+        "embedding_bag max_norm": lambda: shardvar.embedding_bag(
+            v, ids, mode=mode, per_sample_weights=pw, max_norm=0.5
+        ),
+    }[entry]()
+    torch.testing.assert_close(got, expected)
+
+
+with warnings.catch_warnings():  # torch warns that the strided layout is a prototype: that is the point
+    warnings.simplefilter("ignore", UserWarning)
+    STRIDED = torch.nested.nested_tensor([torch.tensor([1, 2]), torch.tensor([3])])
+V = shardvar.shard_tensor(torch.randn(9, 3), Layout.div(9, 3))
+JAGGED_REFUSALS = {
+    "embedding_lookup strided": (
+        lambda: shardvar.embedding_lookup(V, STRIDED),
+        shardvar.ShardvarTypeError,
+        "layout=torch.strided",
+    ),
+    "sparse_read strided": (lambda: V.sparse_read(STRIDED), shardvar.ShardvarTypeError, "layout=torch.jagged"),
+    "embedding_bag strided": (
+        lambda: shardvar.embedding_bag(V, STRIDED),
+        shardvar.ShardvarTypeError,
+        "layout=torch.strided",
+    ),
+    "bag of [B, j, k]": (
+        lambda: shardvar.embedding_bag(V, JAGGED["[B, j, k]"]),
+        shardvar.ShardvarValueError,
+        r"got shape \[2, j\d+, 2\]",
+    ),
+    "bag with holes": (
+        lambda: shardvar.embedding_bag(V, JAGGED["with holes"]),
+        shardvar.ShardvarValueError,
+        "and lengths",
+    ),
+    "bag with offsets": (
+        lambda: shardvar.embedding_bag(V, JAGGED["[B, j]"], torch.tensor([0, 1])),
+        shardvar.ShardvarValueError,
+        r"offsets=tensor\(\[0, 1\]\)",
+    ),
+    "jagged weights, plain input": (
+        lambda: shardvar.embedding_bag(
+            V, torch.tensor([[1, 2]]), mode="sum", per_sample_weights=JAGGED["[B, j]"].float()
+        ),
+        shardvar.ShardvarTypeError,
+        "only when the input is jagged",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(JAGGED_REFUSALS))
+def test_unsupported_nested_forms_are_refused_naming_the_supported_ones(case) -> None:
+    call, error, match = JAGGED_REFUSALS[case]
+    before = V.to_tensor().clone()
+    with pytest.raises(error, match=match):
+        call()
+    torch.testing.assert_close(V.to_tensor(), before)

@@ -23,6 +23,7 @@ from .._errors import ShardvarDTypeError, ShardvarTypeError, ShardvarValueError
 from .._validate import check_bool, check_choice, check_int, check_number
 from ..layout import as_ids, check_ids
 from ._autograd import GatherRows, SlabView, gather_local, scatter_grads
+from ._jagged import bags, on_values
 from ._store import ShardStore
 
 __all__ = [
@@ -185,11 +186,18 @@ def embedding(
     scale_grad_by_freq: bool = False,
     sparse: bool = False,
 ) -> torch.Tensor:
-    """``F.embedding(ids, table)`` where the table is the store's logical variable (split along axis 0)."""
-    ids, padding_idx, max_norm, norm_type = _prepare(store, ids, padding_idx, max_norm, norm_type, sparse)
-    src = _source(store, ids.reshape(-1), padding_idx, max_norm, norm_type, sparse)
-    out = F.embedding(src.indices, src.weight, src.padding_idx, src.max_norm, norm_type, scale_grad_by_freq, src.sparse)
-    return out.reshape((*ids.shape, *store.row_shape))  # a tuple: 0-d ids of 1-D params give a 0-d result
+    """``F.embedding(ids, table)`` where the table is the store's logical variable (split along axis 0).
+
+    Jagged ids give jagged rows (the lookup of their values, in their structure).
+    """
+
+    def lookup(ids: Any) -> torch.Tensor:
+        ids, pad, clip, norm = _prepare(store, ids, padding_idx, max_norm, norm_type, sparse)
+        src = _source(store, ids.reshape(-1), pad, clip, norm, sparse)
+        out = F.embedding(src.indices, src.weight, src.padding_idx, src.max_norm, norm, scale_grad_by_freq, src.sparse)
+        return out.reshape((*ids.shape, *store.row_shape))  # a tuple: 0-d ids of 1-D params give a 0-d result
+
+    return on_values(ids, lookup)
 
 
 def _check_sparse(store: ShardStore, sparse: bool) -> None:
@@ -252,8 +260,12 @@ def embedding_bag(
     scale_grad_by_freq: bool = False,
     sparse: bool = False,
 ) -> torch.Tensor:
-    """``F.embedding_bag`` over the store's logical ``[rows, dim]`` table; everything is checked first."""
+    """``F.embedding_bag`` over the store's logical ``[rows, dim]`` table; everything is checked first.
+
+    Jagged ``[B, j]`` input is B bags (its rows), as ``F.embedding_bag`` reads it.
+    """
     check_choice(mode, "mode", BAG_MODES)
+    ids, offsets, per_sample_weights, include_last_offset = bags(ids, offsets, per_sample_weights, include_last_offset)
     ids, padding_idx, max_norm, norm_type = _prepare(store, ids, padding_idx, max_norm, norm_type, sparse)
     offsets = _check_bag(ids, offsets, include_last_offset)
     weights = _check_weights(per_sample_weights, ids, mode, store.dtype)

@@ -19,6 +19,7 @@ from .._errors import ShardvarDTypeError, ShardvarTypeError, ShardvarValueError
 from .._validate import check_choice, check_number
 from ..layout import as_ids
 from . import _functional
+from ._jagged import bags, on_values
 from ._sharded_variable import ShardedVariable
 
 __all__ = ["embedding_lookup", "embedding_lookup_sparse", "safe_embedding_lookup_sparse", "embedding_bag"]
@@ -81,8 +82,12 @@ def embedding_lookup(
     """
     variable = as_sharded(params, partition_strategy)
     max_norm = check_number(max_norm, "max_norm", positive=True, allow_none=True)
-    rows = _functional.gather(variable.store, ids)
-    return _clip(rows, rows.dim() - len(variable.store.row_shape), max_norm)
+
+    def lookup(flat: Any) -> torch.Tensor:
+        rows = _functional.gather(variable.store, flat)
+        return _clip(rows, rows.dim() - len(variable.store.row_shape), max_norm)
+
+    return on_values(ids, lookup)  # jagged ids: jagged rows
 
 
 def _sparse_parts(sp: Any, what: str, flatten: bool = False) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
@@ -244,6 +249,9 @@ def embedding_bag(
     """
     variable = as_sharded(params, partition_strategy)
     max_norm = check_number(max_norm, "max_norm", positive=True, allow_none=True)
+    input, offsets, per_sample_weights, include_last_offset = bags(
+        input, offsets, per_sample_weights, include_last_offset
+    )
     options = {
         "mode": mode,
         "per_sample_weights": per_sample_weights,
