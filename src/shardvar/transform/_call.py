@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .._errors import ShardvarError, ShardvarTypeError, ShardvarValueError
-from .._validate import check_device, check_int
+from .._validate import check_devices, check_int
 from ..layout import Layout
 
 __all__ = ["PartitionError", "partitioned_call", "StatefulPartitionedCall"]
@@ -103,9 +103,9 @@ def _devices(
     if partitions is not None:
         partitions = check_int(partitions, "num_partitions", minimum=1)
     if devices is not None:
-        if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence) or not devices:
+        if isinstance(devices, Sequence) and not isinstance(devices, str) and not devices:
             raise ShardvarValueError(f"devices must be a non-empty list of devices; got {devices!r:.80}")
-        devices = [check_device(d) for d in devices]
+        devices = check_devices(devices)
     n = partitions or (len(devices) if devices else (len(inputs) if axis is None else 1))
     if devices is None:
         return [torch.device("cpu")] * n

@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .._errors import ShardvarError, ShardvarTypeError, ShardvarValueError
+from .._validate import check_devices
 from ..layout import Layout
 from ..nn import (
     EmbeddingBagDict,
@@ -199,10 +200,18 @@ def partition_model(
     >>> type(model[0]).__name__, [tuple(p.shape) for p in part.parameters["1.weight"].shards]
     ('ShardedEmbedding', [(6, 2), (6, 2)])
     """
+    if not isinstance(module, nn.Module):
+        raise ShardvarTypeError(f"module must be an nn.Module; got {type(module).__name__}: {module!r:.60}")
     placement: dict[str, list[str]] = {}
     if hasattr(strategy, "strategy") and hasattr(strategy, "placement"):
-        placement = dict(strategy.placement)
+        placement = {n: check_devices(where, name=f"placement[{n!r}]") for n, where in strategy.placement.items()}
         strategy = strategy.strategy
+    if not isinstance(strategy, Mapping):
+        raise ShardvarTypeError(
+            f"strategy must map parameter names (or glob patterns) to partitioners, or be a Plan; got {strategy!r:.60} "
+            "(e.g. {'emb.weight': 4} for 4 shards)"
+        )
+    devices = check_devices(devices) if devices is not None else None
     containers = _collection_containers(module, collections)
     plans = _plans(module, strategy)
     named = {n for p in plans for n in p.users}

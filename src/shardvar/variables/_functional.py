@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .._errors import ShardvarDTypeError, ShardvarTypeError, ShardvarValueError
+from .._errors import ShardvarDTypeError, ShardvarValueError
 from .._validate import check_bool, check_choice, check_int, check_number
 from ..layout import as_ids, check_ids
 from ._autograd import GatherRows, SlabView, gather_local, scatter_grads
@@ -137,11 +137,9 @@ def _on_meta(store: ShardStore) -> bool:
 
 def _ids(store: ShardStore, ids: Any) -> torch.Tensor:
     device = store.groups[0].device if store.groups else None
-    t = as_ids(ids, device=None if isinstance(ids, torch.Tensor) else device)
+    t = as_ids(ids, device=None if isinstance(ids, torch.Tensor) else device, allow_meta=_on_meta(store))
     if _on_meta(store):
         return t.to("meta")  # shapes only: a meta table holds no values to check ids against
-    if t.is_meta:
-        raise ShardvarTypeError("ids on the meta device hold no values; look up real ids (the table is not on meta)")
     if _exchange(store) is None and not _transformed(t):
         check_ids(t, store.layout.num_rows)  # a distributed lookup agrees on bad ids across ranks
     return t
@@ -217,7 +215,7 @@ def _check_bag(ids: torch.Tensor, offsets: torch.Tensor | None, include_last_off
         raise ShardvarValueError(
             f"input must be 2-D, or 1-D with offsets; got shape {list(ids.shape)} and offsets={offsets}"
         )
-    offsets = as_ids(offsets).to(ids.device)
+    offsets = as_ids(offsets)  # checked where they are (a meta table's ids are meta), then moved
     if offsets.dim() != 1 or offsets.numel() == 0 or int(offsets[0]) != 0:
         raise ShardvarValueError(f"offsets must be 1-D, non-empty and start at 0; got {offsets.tolist()[:8]}")
     if bool((offsets[1:] < offsets[:-1]).any()) or int(offsets[-1]) > ids.numel():
@@ -228,7 +226,7 @@ def _check_bag(ids: torch.Tensor, offsets: torch.Tensor | None, include_last_off
         raise ShardvarValueError(
             f"with include_last_offset=True the last offset must equal len(input)={ids.numel()}; got {int(offsets[-1])}"
         )
-    return offsets
+    return offsets.to(ids.device)
 
 
 def _check_weights(per_sample_weights: Any, ids: torch.Tensor, mode: str, dtype: torch.dtype) -> torch.Tensor | None:

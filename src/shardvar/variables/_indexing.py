@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from .._errors import ShardvarIndexError, ShardvarTypeError
+from .._validate import check_has_values
 from ..layout import Layout, last_occurrence
 from ._functional import gather
 from ._store import ShardStore
@@ -23,6 +24,8 @@ __all__ = ["getitem", "setitem", "expand_key"]
 
 
 def _to_entry(k: Any) -> Any:
+    if isinstance(k, torch.Tensor):
+        check_has_values(k, "an index tensor")  # a meta index has no positions to read or write
     if isinstance(k, (np.ndarray, list)):
         arr = np.asarray(k)
         if arr.dtype == bool:

@@ -16,11 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from .._errors import ShardvarDTypeError, ShardvarTypeError, ShardvarValueError
-from .._validate import check_choice, check_number
+from .._validate import check_choice, check_has_values, check_number
 from ..layout import as_ids
 from . import _functional
 from ._jagged import bags, on_values
 from ._sharded_variable import ShardedVariable
+from ._values import ids_device
 
 __all__ = ["embedding_lookup", "embedding_lookup_sparse", "safe_embedding_lookup_sparse", "embedding_bag"]
 
@@ -96,6 +97,7 @@ def _sparse_parts(sp: Any, what: str, flatten: bool = False) -> tuple[torch.Tens
     if not is_coo or not (sp.dim() >= 2 if flatten else sp.dim() == 2):
         shape = "[batch..., k]" if flatten else "[batch, k]"
         raise ShardvarTypeError(f"{what} must be a torch sparse COO tensor {shape}; got {sp!r:.100}")
+    check_has_values(sp, what)
     # Not coalesced on purpose: coalescing would add up repeated entries of a bag.
     indices = sp.indices() if sp.is_coalesced() else sp._indices()
     values = sp.values() if sp.is_coalesced() else sp._values()
@@ -189,7 +191,7 @@ def embedding_lookup_sparse(
     max_norm = check_number(max_norm, "max_norm", positive=True, allow_none=True)
     bag, ids, batch = _sparse_parts(sp_ids, "sp_ids")
     weights = _same_indices(sp_ids, sp_weights, variable.dtype)
-    ids = as_ids(ids, device=variable.device)
+    ids = as_ids(ids, device=ids_device(variable.store))
     return _combine(variable, ids, bag, weights, batch[0], combiner, max_norm)
 
 
@@ -213,7 +215,7 @@ def safe_embedding_lookup_sparse(
     max_norm = check_number(max_norm, "max_norm", positive=True, allow_none=True)
     bag, ids, batch_shape = _sparse_parts(sp_ids, "sp_ids", flatten=True)
     weights = _same_indices(sp_ids, sp_weights, variable.dtype)
-    ids = as_ids(ids, device=variable.device)
+    ids = as_ids(ids, device=ids_device(variable.store))
     keep = ids >= 0
     if weights is not None:
         keep &= weights.to(keep.device) > 0

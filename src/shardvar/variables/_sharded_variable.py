@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .._errors import ShardvarDTypeError, ShardvarTypeError, ShardvarValueError
-from .._validate import check_choice, normalise_axis
+from .._validate import check_choice, check_device, check_has_values, normalise_axis
 from ..layout import Layout
 from . import _indexing, _torch_ops, _update, _values  # noqa: F401 (_torch_ops registers handlers)
 from ._store import ShardStore
@@ -212,6 +212,7 @@ class ShardedVariable(TensorMethods, nn.Module):
     # -- materialising --------------------------------------------------------------------------
     def to_tensor(self, device: torch.device | str | None = None) -> torch.Tensor:
         """The whole logical tensor, a new one (differentiable with respect to the shards)."""
+        device = None if device is None else check_device(device)
         whole = _values.materialise(self.store)
         return whole if device is None else whole.to(device)
 
@@ -225,8 +226,12 @@ class ShardedVariable(TensorMethods, nn.Module):
         """
         return _values.materialise(self.store, copy=copy)
 
+    def _concrete(self) -> torch.Tensor:
+        """The logical tensor, for Python and numpy values (a meta variable has none)."""
+        return check_has_values(self.to_tensor(), f"{type(self).__name__} {self.name or ''}".rstrip())
+
     def numpy(self) -> np.ndarray:
-        return self.to_tensor().detach().cpu().numpy()
+        return self._concrete().detach().cpu().numpy()
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         out = self.numpy()
@@ -234,13 +239,13 @@ class ShardedVariable(TensorMethods, nn.Module):
 
     # -- acting as a tensor ---------------------------------------------------------------------
     def __bool__(self) -> bool:
-        return bool(self.to_tensor())
+        return bool(self._concrete())
 
     def __float__(self) -> float:
-        return float(self.to_tensor())
+        return float(self._concrete())
 
     def __int__(self) -> int:
-        return int(self.to_tensor())
+        return int(self._concrete())
 
     __hash__ = object.__hash__
 

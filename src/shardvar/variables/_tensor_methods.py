@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .._errors import ShardvarTypeError, ShardvarValueError
+from .._validate import check_device
 from ._torch_function import inplace, torch_function
 from ._update import check_writable
 from ._values import check_local
@@ -73,13 +74,22 @@ class TensorMethods:
 
     # -- reads: plain tensors of the logical value ----------------------------------------------
     def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self.to_tensor().to(*args, **kwargs)
+        device = kwargs.get("device", args[0] if args and isinstance(args[0], (str, torch.device)) else None)
+        if device is not None:
+            check_device(device)  # "nonsense" or "cuda:9": shardvar's error before anything is read
+        try:
+            return self.to_tensor().to(*args, **kwargs)
+        except TypeError as e:
+            raise ShardvarTypeError(
+                f".to() takes a device, dtype or tensor; got {args!r:.60}, {kwargs!r:.60} ({e})"
+            ) from None
 
     def cpu(self) -> torch.Tensor:
         return self.to_tensor().cpu()
 
-    def cuda(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self.to_tensor().cuda(*args, **kwargs)
+    def cuda(self, device: Any = None, *args: Any, **kwargs: Any) -> torch.Tensor:
+        check_device(torch.device("cuda", device) if isinstance(device, int) else device or "cuda")
+        return self.to_tensor().cuda(device, *args, **kwargs)
 
     def float(self) -> torch.Tensor:
         return self.to_tensor().float()
@@ -97,7 +107,7 @@ class TensorMethods:
         return self.to_tensor()
 
     def tolist(self) -> Any:
-        return self.to_tensor().tolist()
+        return self._concrete().tolist()
 
     def new(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.variables[0].detach().new(*args, **kwargs)
