@@ -138,5 +138,5 @@ def find_tables(params: Any) -> list[dict[str, Any]]:
                 owner[id(p)] = t.name
             seen[t.name] = t
     if not seen:
-        raise ShardvarValueError("the optimizer got no tables to update")
+        raise ShardvarValueError(f"the optimizer got no tables to update from params={params!r:.80}")
     return groups

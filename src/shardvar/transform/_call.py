@@ -36,7 +36,9 @@ def _as_tuple(x: Any) -> tuple:
 def _split(inputs: Any, axis: int | None, partitions: int, strategy: str) -> tuple[list[tuple], list[Layout]]:
     if axis is None:  # already split: one entry (a tensor or a tuple of tensors) per partition
         if not isinstance(inputs, Sequence) or not inputs:
-            raise ShardvarTypeError("with axis=None, inputs must be a non-empty list with one entry per partition")
+            raise ShardvarTypeError(
+                f"with axis=None, inputs must be a non-empty list with one entry per partition; got {inputs!r:.80}"
+            )
         return [_as_tuple(x) for x in inputs], []
     tensors = _as_tuple(inputs)
     if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):

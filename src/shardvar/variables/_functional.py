@@ -209,7 +209,10 @@ def _check_sparse(store: ShardStore, sparse: bool) -> None:
 def _check_bag(ids: torch.Tensor, offsets: torch.Tensor | None, include_last_offset: bool) -> torch.Tensor | None:
     if ids.dim() == 2:
         if offsets is not None:
-            raise ShardvarValueError("offsets must be None when input is 2-D (each row is one bag)")
+            raise ShardvarValueError(
+                f"offsets must be None when input is 2-D (each row is one bag); got offsets={offsets!r:.60} with "
+                f"input of shape {list(ids.shape)}"
+            )
         return None
     if ids.dim() != 1 or offsets is None:
         raise ShardvarValueError(

@@ -45,7 +45,9 @@ def bags(ids: Any, offsets: Any, per_sample_weights: Any, include_last_offset: b
     """Jagged ``[B, j]`` input as (values, offsets with the last, weights' values, True); others unchanged."""
     if not is_nested(ids):
         if is_nested(per_sample_weights):
-            raise ShardvarTypeError("per_sample_weights may be jagged only when the input is jagged")
+            raise ShardvarTypeError(
+                f"per_sample_weights may be jagged only when the input is jagged; got input of shape {list(ids.shape)}"
+            )
         return ids, offsets, per_sample_weights, include_last_offset
     _check_jagged(ids, "input")
     if ids.dim() != 2 or ids._ragged_idx != 1 or ids.lengths() is not None:
@@ -63,6 +65,9 @@ def bags(ids: Any, offsets: Any, per_sample_weights: Any, include_last_offset: b
     if is_nested(weights):
         _check_jagged(weights, "per_sample_weights")
         if not torch.equal(weights.offsets(), ids.offsets()):
-            raise ShardvarValueError("jagged per_sample_weights must have the input's offsets (one weight per id)")
+            raise ShardvarValueError(
+                f"jagged per_sample_weights must have the input's offsets {ids.offsets().tolist()[:8]} (one weight per "
+                f"id); got {weights.offsets().tolist()[:8]}"
+            )
         weights = weights.values()
     return ids.values(), ids.offsets(), weights, True

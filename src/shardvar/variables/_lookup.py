@@ -115,7 +115,10 @@ def _same_indices(sp_ids: torch.Tensor, sp_weights: Any, dtype: torch.dtype) -> 
     ids_idx = sp_ids.indices() if sp_ids.is_coalesced() else sp_ids._indices()
     w_idx = sp_weights.indices() if sp_weights.is_coalesced() else sp_weights._indices()
     if w_idx.shape != ids_idx.shape or not torch.equal(w_idx, ids_idx.to(w_idx.device)):
-        raise ShardvarValueError("sp_weights must have the same indices as sp_ids")
+        raise ShardvarValueError(
+            f"sp_weights must have the same indices as sp_ids; got {w_idx.shape[1]} entries at "
+            f"{w_idx.T.tolist()[:4]}... for {ids_idx.shape[1]} at {ids_idx.T.tolist()[:4]}..."
+        )
     if weights.dtype != dtype:
         raise ShardvarDTypeError(f"sp_weights must have the params' dtype {dtype}; got {weights.dtype}")
     return weights
