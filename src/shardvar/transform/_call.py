@@ -17,12 +17,13 @@ from typing import Any
 import torch
 
 from .._errors import ShardvarError, ShardvarTypeError, ShardvarValueError
-from .._validate import check_devices, check_int
+from .._validate import check_choice, check_devices, check_int
 from ..layout import Layout
 
 __all__ = ["PartitionError", "partitioned_call", "StatefulPartitionedCall"]
 
 Aggregate = str | Callable[[list[Any]], Any]
+AGGREGATES = ("concat", "sum", "mean", "list")
 
 
 class PartitionError(ShardvarError, RuntimeError):
@@ -65,11 +66,51 @@ def _check_tout(outputs: list[tuple], tout: Sequence[torch.dtype] | None) -> Non
                 raise ShardvarTypeError(f"output {i} of partition {p} is {got}; Tout declares {want}")
 
 
+def _check_aggregate(how: Any) -> Aggregate:
+    """``aggregate`` checked before any partition runs."""
+    return how if callable(how) else check_choice(how, "aggregate", AGGREGATES)
+
+
+def _shapes(outputs: list[tuple]) -> list[list]:
+    return [[list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in o] for o in outputs]
+
+
+def _check_combinable(outputs: list[tuple], how: str, layouts: list[Layout]) -> None:
+    """The partitions' outputs can be combined by ``how`` output by output (checked before combining)."""
+    if len({len(o) for o in outputs}) > 1:
+        raise ShardvarValueError(
+            f"the partitions returned different numbers of outputs {[len(o) for o in outputs]}; "
+            f"aggregate={how!r} combines them output by output"
+        )
+    axis = layouts[0].axis if layouts else 0
+    for i in range(len(outputs[0])):
+        column = [o[i] for o in outputs]
+        if not all(isinstance(t, torch.Tensor) for t in column):
+            raise ShardvarTypeError(f"aggregate={how!r} needs tensors; got outputs {_shapes(outputs)} by partition")
+        if how == "concat":
+            rest = {(*t.shape[:axis], *t.shape[axis + 1 :]) if t.dim() > axis else None for t in column}
+            fits, expected = None not in rest and len(rest) == 1, f"one shape except along axis {axis}"
+        else:
+            fits, expected = len({tuple(t.shape) for t in column}) == 1, "one shape"
+        if not fits:
+            raise ShardvarValueError(
+                f"output {i} of the partitions cannot be combined with aggregate={how!r}: shapes "
+                f"{[list(t.shape) for t in column]} by partition; expected {expected}"
+            )
+
+
 def _aggregate(outputs: list[tuple], how: Aggregate, layouts: list[Layout], device: torch.device) -> Any:
     if callable(how):
-        return how([o if len(o) > 1 else o[0] for o in outputs])
+        try:
+            return how([o if len(o) > 1 else o[0] for o in outputs])
+        except Exception as e:  # the user's combiner: its failure, named with what it was given
+            raise ShardvarValueError(
+                f"aggregate {getattr(how, '__name__', how)!r} failed on the partitions' outputs "
+                f"{_shapes(outputs)}: {type(e).__name__}: {e}"
+            ) from e
     if how == "list":
         return [o if len(o) > 1 else o[0] for o in outputs]
+    _check_combinable(outputs, how, layouts)
     results = []
     for i in range(len(outputs[0])):
         column = [o[i].to(device) for o in outputs]
@@ -77,10 +118,8 @@ def _aggregate(outputs: list[tuple], how: Aggregate, layouts: list[Layout], devi
             results.append(torch.stack(column).sum(0))
         elif how == "mean":
             results.append(torch.stack(column).mean(0))
-        elif how == "concat":
-            results.append(layouts[0].join(column) if layouts else torch.cat(column))
         else:
-            raise ShardvarValueError(f"aggregate must be 'concat', 'sum', 'mean', 'list' or a callable; got {how!r}")
+            results.append(layouts[0].join(column) if layouts else torch.cat(column))
     return results[0] if len(results) == 1 else tuple(results)
 
 
@@ -132,6 +171,7 @@ def partitioned_call(
     >>> partitioned_call(lambda x: x.sum(0, keepdim=True), torch.ones(4, 2), num_partitions=2, aggregate="sum")
     tensor([[4., 4.]])
     """
+    aggregate = _check_aggregate(aggregate)
     devs = _devices(devices, num_partitions, inputs, axis)
     parts, layouts = _split(inputs, axis, len(devs), partition_strategy)
     if len(parts) != len(devs):
@@ -187,6 +227,7 @@ class StatefulPartitionedCall:
         Tout: Sequence[torch.dtype] | None = None,
     ) -> None:
         _check_state(state)
+        aggregate = _check_aggregate(aggregate)
         self.fn, self.axis, self.partition_strategy, self.aggregate, self.Tout = (
             fn,
             axis,
