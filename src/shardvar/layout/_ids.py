@@ -25,6 +25,11 @@ def as_ids(ids: object, device: torch.device | str | None = None, *, allow_meta:
             raise ShardvarTypeError(f"ids must be an integer tensor; got dtype {ids.dtype}")
         if not allow_meta:
             check_has_values(ids, "ids")
+        if ids.is_nested:
+            raise ShardvarTypeError(
+                f"ids must be a plain tensor here; got a nested tensor (layout={ids.layout}); jagged ids are taken "
+                "by the lookups (embedding_lookup, sparse_read, the embedding modules)"
+            )
         t = ids
     else:
         if isinstance(ids, bool) or (isinstance(ids, (list, tuple)) and any(isinstance(i, bool) for i in ids)):

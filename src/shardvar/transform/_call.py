@@ -147,7 +147,8 @@ def _devices(
         if isinstance(devices, Sequence) and not isinstance(devices, str) and not devices:
             raise ShardvarValueError(f"devices must be a non-empty list of devices; got {devices!r:.80}")
         devices = check_devices(devices)
-    n = partitions or (len(devices) if devices else (len(inputs) if axis is None else 1))
+    given = len(inputs) if axis is None and isinstance(inputs, Sequence) else 1  # bad inputs: refused by _split
+    n = partitions or (len(devices) if devices else given)
     if devices is None:
         return [torch.device("cpu")] * n
     return [devices[p % len(devices)] for p in range(n)]

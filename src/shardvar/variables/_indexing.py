@@ -26,6 +26,8 @@ __all__ = ["getitem", "setitem", "expand_key"]
 def _to_entry(k: Any) -> Any:
     if isinstance(k, torch.Tensor):
         check_has_values(k, "an index tensor")  # a meta index has no positions to read or write
+        if k.is_nested:
+            raise ShardvarTypeError(f"an index tensor must be a plain tensor; got a nested one (layout={k.layout})")
     if isinstance(k, (np.ndarray, list)):
         arr = np.asarray(k)
         if arr.dtype == bool:

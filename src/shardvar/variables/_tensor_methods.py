@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .._errors import ShardvarTypeError, ShardvarValueError
-from .._validate import check_device
+from .._validate import check_device, check_has_values
 from ._torch_function import inplace, torch_function
 from ._update import check_writable
 from ._values import check_local
@@ -48,6 +48,9 @@ def _inplace_method(name: str):
     method = getattr(_T, name)
 
     def apply(self, *args: Any, **kwargs: Any) -> Any:
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor):
+                check_has_values(a, f"the argument of {name}")  # a meta value has nothing to write
         if name in _SHARD_LOCAL and _numbers(args, kwargs):
             shards = check_local(self.store, name)
             check_writable(shards)
@@ -74,7 +77,10 @@ class TensorMethods:
 
     # -- reads: plain tensors of the logical value ----------------------------------------------
     def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        device = kwargs.get("device", args[0] if args and isinstance(args[0], (str, torch.device)) else None)
+        first = args[0] if args else None
+        if first is not None and not isinstance(first, (str, torch.device, torch.dtype, torch.Tensor, int)):
+            raise ShardvarTypeError(f".to() takes a device, dtype or tensor; got {first!r:.60}")
+        device = kwargs.get("device", first if isinstance(first, (str, torch.device)) else None)
         if device is not None:
             check_device(device)  # "nonsense" or "cuda:9": shardvar's error before anything is read
         try:
