@@ -138,10 +138,9 @@ def shard_parameter(
 
     ``layout`` is a Layout, partitioner, PartitionerConfig, ``"1,4"`` string or shard count; or
     a ShardedVariable, whose shard Parameters the parameter then shares (a tie: its values win).
-    With a ShardedVariable, ``name`` may also be new: this is how a variable built outside a
-    module becomes one of its parameters (plain attribute assignment does not register tensors
-    that torch does not know, so ``module.v = variable`` leaves the shards out of
-    ``parameters()``).
+    With a ShardedVariable, ``name`` may also be new: the variable's shards then become the
+    parameter ``module.<name>``, read as a plain tensor (``module.v = variable`` instead keeps the
+    variable itself as a submodule: its shards are ``v.shard_<i>``, its state_dict key ``v``).
 
     >>> fc = nn.Linear(4, 6)
     >>> v = shard_parameter(fc, "weight", "1,2")
