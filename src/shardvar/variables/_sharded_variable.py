@@ -90,7 +90,9 @@ class ShardedVariable(TensorMethods, nn.Module):
     def from_store(cls, store: ShardStore, name: str | None = None) -> ShardedVariable:
         """The variable over an existing store (its shards are shared, not copied)."""
         v = cls.__new__(cls)
-        v._store, v.name = store, name
+        # Straight into __dict__: a new variable has no module state to register into yet, and
+        # nn.Module.__setattr__ costs ~10x this whole call (views like module.weight are made often).
+        v.__dict__["_shard_store"], v.__dict__["name"] = store, name
         return v
 
     # -- the nn.Module side ---------------------------------------------------------------------
