@@ -66,6 +66,28 @@ def test_zero_d_ids_on_one_d_params_give_a_zero_d_result(ids, strategy) -> None:
     assert got.shape == () and got == table[3]
 
 
+ZERO_D_LOOKUPS = {
+    "embedding_lookup": lambda v, ids, path: shardvar.embedding_lookup(v, ids),
+    "sparse_read": lambda v, ids, path: v.sparse_read(ids),
+    "getitem": lambda v, ids, path: v[ids],
+    "served checkpoint": lambda v, ids, path: (shardvar.save({"v": v}, path), shardvar.open(path)["v"].lookup(ids))[1],
+}
+
+
+@pytest.mark.parametrize("entry", sorted(ZERO_D_LOOKUPS))
+@pytest.mark.parametrize("rank", [1, 2, 3])
+def test_zero_d_ids_in_every_lookup_give_the_row_shape(entry, rank, tmp_path) -> None:
+    table = torch.arange(7.0 * 2 ** (rank - 1)).reshape(7, *[2] * (rank - 1))
+    v = shardvar.shard_tensor(table, Layout.mod(7, 3))
+    for ids in (torch.tensor(5), 5):
+        got = ZERO_D_LOOKUPS[entry](v, ids, tmp_path / f"c{type(ids).__name__}")
+        assert got.shape == table.shape[1:]
+        torch.testing.assert_close(got, table[5])
+    if rank == 2:
+        emb = shardvar.ShardedEmbedding(7, 2, partitioner=3, _weight=table)
+        torch.testing.assert_close(emb(torch.tensor(5)), table[5])
+
+
 def sparse_bags(draw, rows: int) -> tuple[list[list[int]], list[list[float]]]:
     bags = draw(st.lists(st.lists(st.integers(0, rows - 1), max_size=3), min_size=1, max_size=4))
     weights = [[draw(st.sampled_from([0.5, 1.0, 2.0])) for _ in bag] for bag in bags]
