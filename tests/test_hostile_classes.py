@@ -254,12 +254,18 @@ def test_a_stateful_call_whose_outputs_cannot_be_combined_commits_nothing(aggreg
         shardvar.partitioned_call(lambda x: fn(x, {"n": 0})[0], torch.ones(3, 2), num_partitions=2, aggregate=how)
 
 
-def test_a_bad_aggregate_is_refused_before_any_partition_runs() -> None:
+def test_a_bad_aggregate_or_tout_is_refused_before_any_partition_runs() -> None:
     ran = []
     with pytest.raises(shardvar.ShardvarValueError, match=r"aggregate must be one of .*; got 'median'"):
         shardvar.StatefulPartitionedCall(lambda x, s: ran.append(x), [{"n": torch.tensor(0)}], aggregate="median")
     with pytest.raises(shardvar.ShardvarValueError, match=r"got 'median'"):
         shardvar.partitioned_call(lambda x: ran.append(x), torch.ones(2), aggregate="median")
+    with pytest.raises(shardvar.ShardvarTypeError, match=r"Tout must be a list of torch dtypes.*; got 'float32'"):
+        shardvar.partitioned_call(lambda x: ran.append(x), torch.ones(2), Tout="float32")
+    with pytest.raises(shardvar.ShardvarTypeError, match=r"got \[torch.float32, 'int'\]"):
+        shardvar.StatefulPartitionedCall(
+            lambda x, s: ran.append(x), [{"n": torch.tensor(0)}], Tout=[torch.float32, "int"]
+        )
     assert ran == []
 
 

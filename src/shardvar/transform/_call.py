@@ -66,8 +66,14 @@ def _check_tout(outputs: list[tuple], tout: Sequence[torch.dtype] | None) -> Non
                 raise ShardvarTypeError(f"output {i} of partition {p} is {got}; Tout declares {want}")
 
 
-def _check_aggregate(how: Any) -> Aggregate:
-    """``aggregate`` checked before any partition runs."""
+def _check_aggregate(how: Any, tout: Any) -> Aggregate:
+    """``aggregate`` and ``Tout`` checked before any partition runs."""
+    if tout is not None and (
+        isinstance(tout, (str, torch.dtype))
+        or not isinstance(tout, Sequence)
+        or not all(isinstance(d, torch.dtype) for d in tout)
+    ):
+        raise ShardvarTypeError(f"Tout must be a list of torch dtypes, one per output; got {tout!r:.80}")
     return how if callable(how) else check_choice(how, "aggregate", AGGREGATES)
 
 
@@ -172,7 +178,7 @@ def partitioned_call(
     >>> partitioned_call(lambda x: x.sum(0, keepdim=True), torch.ones(4, 2), num_partitions=2, aggregate="sum")
     tensor([[4., 4.]])
     """
-    aggregate = _check_aggregate(aggregate)
+    aggregate = _check_aggregate(aggregate, Tout)
     devs = _devices(devices, num_partitions, inputs, axis)
     parts, layouts = _split(inputs, axis, len(devs), partition_strategy)
     if len(parts) != len(devs):
@@ -228,7 +234,7 @@ class StatefulPartitionedCall:
         Tout: Sequence[torch.dtype] | None = None,
     ) -> None:
         _check_state(state)
-        aggregate = _check_aggregate(aggregate)
+        aggregate = _check_aggregate(aggregate, Tout)
         self.fn, self.axis, self.partition_strategy, self.aggregate, self.Tout = (
             fn,
             axis,
