@@ -159,3 +159,28 @@ def test_variables_made_by_modules_are_not_registered_anywhere() -> None:
     emb = shardvar.ShardedEmbedding(7, 4, partitioner=3)
     assert [n for n, _ in emb.named_parameters()] == ["shard_0", "shard_1", "shard_2"]
     assert list(emb.state_dict()) == ["weight"]
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda v: v.half(),
+        lambda v: v.float(),
+        lambda v: v.double(),
+        lambda v: v.bfloat16(),
+        lambda v: v.type(torch.float64),
+        lambda v: v.to(torch.float64),
+        lambda v: v.cpu(),
+    ],
+    ids=["half", "float", "double", "bfloat16", "type", "to", "cpu"],
+)
+def test_tensor_conversions_of_a_variable_read_and_never_convert_it(read) -> None:
+    """A variable is also a module, but its tensor methods stay Tensor's: new tensors, the shards untouched."""
+    v = variable("mod")
+    m = Holder(v)
+    shards = [s.detach().clone() for s in v.variables]
+    out = read(v)
+    assert isinstance(out, torch.Tensor) and not isinstance(out, ShardedVariable)
+    torch.testing.assert_close(out.float(), v.to_tensor().detach().float(), atol=1e-2, rtol=1e-2)
+    assert v.dtype == torch.float32 and all(torch.equal(a, b) for a, b in zip(shards, v.variables, strict=True))
+    assert m.v is v

@@ -106,6 +106,13 @@ class TensorMethods:
     def half(self) -> torch.Tensor:
         return self.to_tensor().half()
 
+    # As Tensor's, not nn.Module's (a ShardedVariable is also a module): these read, never convert.
+    def bfloat16(self) -> torch.Tensor:
+        return self.to_tensor().bfloat16()
+
+    def type(self, dtype: Any = None, *args: Any, **kwargs: Any) -> Any:
+        return self.variables[0].type() if dtype is None else self.to_tensor().type(dtype, *args, **kwargs)
+
     def detach(self) -> torch.Tensor:
         return self.logical(copy=False).detach()
 
