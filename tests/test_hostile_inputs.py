@@ -82,7 +82,10 @@ def test_a_stateful_call_whose_aggregation_fails_commits_nothing() -> None:
         [{"n": torch.tensor(0)}, {"n": torch.tensor(0)}],
         aggregate=lambda outs: torch.stack(outs),  # the partitions' outputs cannot be stacked
     )
-    with pytest.raises(RuntimeError):
+    with pytest.raises(
+        shardvar.ShardvarValueError,
+        match=r"aggregate '<lambda>' failed on the partitions' outputs \[\[\[2\]\], \[\[1, 2\]\]\]",
+    ):
         call(torch.ones(3, 2))
     assert [int(s["n"]) for s in call.state] == [0, 0]
 

@@ -6,6 +6,7 @@ Layers, each importable without the ones above it: ``shardvar.layout`` (pure lay
 
 from . import dynamic, optim
 from ._errors import (
+    ShardvarDeviceError,
     ShardvarDistributedError,
     ShardvarDTypeError,
     ShardvarError,
@@ -96,6 +97,7 @@ __all__ = [
     "ShardedEmbeddingBag",
     "ShardedLinear",
     "ShardedVariable",
+    "ShardvarDeviceError",
     "ShardvarDistributedError",
     "ShardvarDTypeError",
     "ShardvarError",

@@ -13,6 +13,7 @@ __all__ = [
     "ShardvarTypeError",
     "ShardvarIntegerError",
     "ShardvarDTypeError",
+    "ShardvarDeviceError",
     "ShardvarDistributedError",
     "CheckpointError",
     "CheckpointIOError",
@@ -48,6 +49,10 @@ class ShardvarDTypeError(ShardvarTypeError, ShardvarValueError):
 
     A TypeError, as in the reference, and a ValueError for callers that check values that way.
     """
+
+
+class ShardvarDeviceError(ShardvarValueError):
+    """A device that does not parse (``"nonsense"``) or does not exist here (``"cuda:9"`` without a GPU)."""
 
 
 class ShardvarDistributedError(ShardvarError, RuntimeError):

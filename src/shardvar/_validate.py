@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ._errors import ShardvarIntegerError, ShardvarTypeError, ShardvarValueError
+from ._errors import ShardvarDeviceError, ShardvarIntegerError, ShardvarTypeError, ShardvarValueError
 
 __all__ = [
     "check_int",
@@ -26,6 +26,8 @@ __all__ = [
     "check_shape",
     "normalise_axis",
     "check_device",
+    "check_devices",
+    "check_has_values",
 ]
 
 
@@ -146,14 +148,53 @@ def normalise_axis(axis: object, ndim: int) -> int:
     return axis % ndim
 
 
-def check_device(device: object) -> torch.device:
+def _device_count(kind: str) -> int:
+    """How many devices of type ``kind`` this machine has (cpu and meta: always there)."""
+    if kind in ("cpu", "meta"):
+        return 1 << 30
+    backend = getattr(torch, kind, None)  # torch.cuda, torch.xpu, torch.mps, ...
+    available = getattr(backend, "is_available", None)
+    count = getattr(backend, "device_count", None)
+    if not (callable(available) and callable(count)) or not available():
+        return 0
+    return int(count())
+
+
+def check_device(device: object, name: str = "device") -> torch.device:
     """A torch.device that exists on this machine (``"cuda:3"`` without a 4th GPU is refused)."""
+    if not isinstance(device, (str, torch.device)) and _index(device) is None:
+        raise ShardvarTypeError(
+            f"{name} must be a torch.device, a string such as 'cpu' or an index; got {device!r:.60}"
+        )
     try:
         d = torch.device(device)  # type: ignore[arg-type]
-    except (RuntimeError, TypeError) as e:
-        raise ShardvarValueError(f"{device!r:.60} is not a device ({e}); expected e.g. 'cpu' or 'cuda:0'") from None
-    if d.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if (d.index or 0) >= count:
-            raise ShardvarValueError(f"device {d} does not exist: this machine has {count} CUDA device(s)")
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ShardvarDeviceError(
+            f"{name} {device!r:.60} is not a device ({e}); expected e.g. 'cpu' or 'cuda:0'"
+        ) from None
+    count = _device_count(d.type)
+    if (d.index or 0) >= count:
+        raise ShardvarDeviceError(f"{name} {d} does not exist: this machine has {count} {d.type.upper()} device(s)")
     return d
+
+
+def check_devices(devices: object, count: int | None = None, name: str = "devices") -> list[torch.device]:
+    """A list of existing devices (``count`` of them when given: one per shard or partition)."""
+    if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence):
+        raise ShardvarTypeError(f"{name} must be a list of devices; got {devices!r:.60}")
+    checked = [check_device(d, f"{name}[{i}]") for i, d in enumerate(devices)]
+    if count is not None and len(checked) != count:
+        raise ShardvarValueError(
+            f"got {len(checked)} {name} for {count} shards; give one per shard: {list(devices)!r:.80}"
+        )
+    return checked
+
+
+def check_has_values(t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t``, unless it is on the meta device (a shape without values: nothing to read, check or write)."""
+    if t.is_meta:
+        raise ShardvarTypeError(
+            f"{what} of shape {list(t.shape)} on the meta device hold(s) no values; expected a tensor on a real "
+            "device (materialise it first, e.g. module.to_empty(device='cpu'))"
+        )
+    return t

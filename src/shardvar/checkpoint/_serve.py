@@ -104,7 +104,7 @@ class ServedTable:
             at = torch.searchsorted(changed.rows, flat).clamp_(max=changed.rows.numel() - 1)
             hit = changed.rows[at] == flat
             out[hit] = changed.values.index_select(0, at[hit]).to(out.dtype)
-        return out.reshape(*ids.shape, *self.entry.shape[1:])
+        return out.reshape((*ids.shape, *self.entry.shape[1:]))  # a tuple: 0-d ids of 1-D params give 0-d
 
     def read(self, *, packed: bool = False) -> torch.Tensor:
         """The whole variable (verified), as a new tensor; a quantized table dequantized unless ``packed``."""

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .._errors import CheckpointError, ShardvarTypeError
+from .._validate import check_has_values
 from ..nn import sharded_parameters
 from ..variables import ShardsView
 
@@ -48,6 +49,8 @@ class State:
     def add_variable(self, name: str, value: Partial | torch.Tensor) -> None:
         if name in self.variables:
             raise CheckpointError(f"two objects of the state dict are both named {name!r}; rename one")
+        for t in value.shards.values() if isinstance(value, Partial) else [value]:
+            check_has_values(t, f"{name!r}")  # meta: nothing to save, nowhere to load; refused before any file
         self.variables[name] = value
         if isinstance(value, Partial):
             for s, shard in value.shards.items():

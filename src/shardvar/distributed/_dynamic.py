@@ -62,7 +62,8 @@ class DistributedDynamicEmbedding(DynamicEmbedding):
         comm = Comm(group, timeout)
         if options.get("devices") is not None or options.get("num_shards", comm.world) != comm.world:
             raise ShardvarValueError(
-                "a distributed dynamic table has one shard per rank; do not pass num_shards or devices"
+                f"a distributed dynamic table has one shard per rank ({comm.world}); do not pass num_shards or "
+                f"devices; got num_shards={options.get('num_shards')!r}, devices={options.get('devices')!r:.60}"
             )
         object.__setattr__(self, "comm", comm)  # _build_rows needs it, before nn.Module.__init__
         object.__setattr__(self, "_group", group)

@@ -169,7 +169,7 @@ class _DynamicTable(nn.Module):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ShardvarTypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
         if any(ref() is optimizer for ref, _ in self._attached):
-            raise ShardvarValueError("this optimizer is already attached")
+            raise ShardvarValueError(f"this {type(optimizer).__name__} is already attached to the table")
         pending: list[torch.Tensor] = []
         store_of = weakref.ref(self)
 

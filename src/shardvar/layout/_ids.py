@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._errors import ShardvarIndexError, ShardvarTypeError
+from .._validate import check_has_values
 
 __all__ = ["as_ids", "check_ids", "last_occurrence", "group_positions"]
 
@@ -13,11 +14,22 @@ _INTEGER_DTYPES = frozenset(
 )
 
 
-def as_ids(ids: object, device: torch.device | str | None = None) -> torch.Tensor:
-    """Turn ids (tensor, list, numpy array or int) into an int64 tensor, refusing non-integers."""
+def as_ids(ids: object, device: torch.device | str | None = None, *, allow_meta: bool = False) -> torch.Tensor:
+    """Turn ids (tensor, list, numpy array or int) into an int64 tensor, refusing non-integers.
+
+    Ids on the meta device are refused (they hold no ids) unless ``allow_meta``: a lookup that
+    only plans shapes over a meta table.
+    """
     if isinstance(ids, torch.Tensor):
         if ids.dtype not in _INTEGER_DTYPES:
             raise ShardvarTypeError(f"ids must be an integer tensor; got dtype {ids.dtype}")
+        if not allow_meta:
+            check_has_values(ids, "ids")
+        if ids.is_nested:
+            raise ShardvarTypeError(
+                f"ids must be a plain tensor here; got a nested tensor (layout={ids.layout}); jagged ids are taken "
+                "by the lookups (embedding_lookup, sparse_read, the embedding modules)"
+            )
         t = ids
     else:
         if isinstance(ids, bool) or (isinstance(ids, (list, tuple)) and any(isinstance(i, bool) for i in ids)):

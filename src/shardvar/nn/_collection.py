@@ -229,7 +229,10 @@ def split_inputs(
     """
     if isinstance(features, KeyedJagged):
         if offsets is not None or per_sample_weights is not None:
-            raise ShardvarValueError("a KeyedJagged carries its own lengths and weights")
+            raise ShardvarValueError(
+                f"a KeyedJagged carries its own lengths and weights; got offsets={offsets!r:.40} and "
+                f"per_sample_weights={per_sample_weights!r:.40} besides: leave them out"
+            )
         features, offsets, per_sample_weights = features.split()
     if not isinstance(features, dict):
         raise ShardvarTypeError(

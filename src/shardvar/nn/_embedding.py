@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .._errors import ShardvarValueError
-from .._validate import check_bool, check_choice, check_int, check_number
+from .._validate import check_bool, check_choice, check_device, check_int, check_number
 from ..layout import Layout
 from ..variables import ShardStore, functional, to_layout
 from ._sharded_weight import ShardedWeight
@@ -24,6 +24,7 @@ __all__ = ["ShardedEmbedding", "ShardedEmbeddingBag"]
 def _initial_weight(
     shape: tuple[int, int], weight: torch.Tensor | None, device: Any, dtype: torch.dtype | None
 ) -> torch.Tensor:
+    device = None if device is None else check_device(device)  # a bad device: shardvar's error, not torch's
     if weight is None:
         out = torch.empty(shape, device=device, dtype=dtype)
         nn.init.normal_(out)  # drawn once for the whole table: values never depend on the layout

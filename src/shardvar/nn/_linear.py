@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._errors import ShardvarTypeError, ShardvarValueError
-from .._validate import check_bool, check_int
+from .._validate import check_bool, check_device, check_int
 from ..layout import Layout
 from ..variables import ShardedVariable, ShardStore, functional, to_layout
 from ._sharded_weight import ShardedWeight
@@ -26,6 +26,7 @@ __all__ = ["ShardedLinear"]
 
 
 def _initial_weight(out_features: int, in_features: int, device: Any, dtype: Any) -> torch.Tensor:
+    device = None if device is None else check_device(device)  # a bad device: shardvar's error, not torch's
     # Drawn exactly as nn.Linear.reset_parameters draws it, for the whole weight at once, so the
     # values (and the random stream after them) never depend on the layout.
     weight = torch.empty(out_features, in_features, device=device, dtype=dtype)
@@ -34,6 +35,7 @@ def _initial_weight(out_features: int, in_features: int, device: Any, dtype: Any
 
 
 def _initial_bias(out_features: int, in_features: int, device: Any, dtype: Any) -> torch.Tensor:
+    device = None if device is None else check_device(device)  # a bad device: shardvar's error, not torch's
     bias = torch.empty(out_features, device=device, dtype=dtype)
     bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
     nn.init.uniform_(bias, -bound, bound)

@@ -22,7 +22,7 @@ from torch.nn.utils import parametrize
 from .._errors import ShardvarTypeError, ShardvarValueError
 from .._validate import check_choice
 from ..layout import Layout
-from ..variables import ShardedVariable, ShardStore, to_layout
+from ..variables import ShardedVariable, ShardStore, attribute_variables, to_layout
 from ._state_dict import FORMS, register_logical_hooks
 
 __all__ = ["ShardsParametrization", "shard_parameter", "sharded_parameters", "set_state_dict_form"]
@@ -138,10 +138,9 @@ def shard_parameter(
 
     ``layout`` is a Layout, partitioner, PartitionerConfig, ``"1,4"`` string or shard count; or
     a ShardedVariable, whose shard Parameters the parameter then shares (a tie: its values win).
-    With a ShardedVariable, ``name`` may also be new: this is how a variable built outside a
-    module becomes one of its parameters (plain attribute assignment does not register tensors
-    that torch does not know, so ``module.v = variable`` leaves the shards out of
-    ``parameters()``).
+    With a ShardedVariable, ``name`` may also be new: the variable's shards then become the
+    parameter ``module.<name>``, read as a plain tensor (``module.v = variable`` instead keeps the
+    variable itself as a submodule: its shards are ``v.shard_<i>``, its state_dict key ``v``).
 
     >>> fc = nn.Linear(4, 6)
     >>> v = shard_parameter(fc, "weight", "1,2")
@@ -192,6 +191,7 @@ def sharded_parameters(module: nn.Module, *, recurse: bool = True) -> dict[str, 
     for path, sub in module.named_modules() if recurse else [("", module)]:
         found = dict(sub.sharded_variables()) if callable(getattr(sub, "sharded_variables", None)) else {}
         found.update(_own(sub))
+        found.update(attribute_variables(sub))  # ShardedVariables assigned as attributes
         out.update({f"{path}.{n}" if path else n: v for n, v in found.items()})
     return out
 

@@ -102,10 +102,10 @@ def _from_module(module: nn.Module, prefix: str) -> list[Table]:
 def _one(item: Any, name: str) -> list[Table]:
     if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
         return _one(item[1], item[0])
+    if isinstance(item, ShardedVariable):  # before nn.Module: a variable is one (of its shards)
+        return [Table(name, item.store)]
     if isinstance(item, nn.Module):  # named: its tables are "<name>.<parameter>"
         return _from_module(item, "" if name.startswith("#") else f"{name}.")
-    if isinstance(item, ShardedVariable):
-        return [Table(name, item.store)]
     if isinstance(item, ShardStore):
         return [Table(name, item)]
     if isinstance(item, torch.Tensor):
@@ -158,5 +158,5 @@ def find_tables(params: Any) -> list[dict[str, Any]]:
                 owner[id(p)] = t.name
             seen[t.name] = t
     if not seen:
-        raise ShardvarValueError("the optimizer got no tables to update")
+        raise ShardvarValueError(f"the optimizer got no tables to update from params={params!r:.80}")
     return groups

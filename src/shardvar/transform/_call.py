@@ -17,12 +17,13 @@ from typing import Any
 import torch
 
 from .._errors import ShardvarError, ShardvarTypeError, ShardvarValueError
-from .._validate import check_device, check_int
+from .._validate import check_choice, check_devices, check_int
 from ..layout import Layout
 
 __all__ = ["PartitionError", "partitioned_call", "StatefulPartitionedCall"]
 
 Aggregate = str | Callable[[list[Any]], Any]
+AGGREGATES = ("concat", "sum", "mean", "list")
 
 
 class PartitionError(ShardvarError, RuntimeError):
@@ -36,7 +37,9 @@ def _as_tuple(x: Any) -> tuple:
 def _split(inputs: Any, axis: int | None, partitions: int, strategy: str) -> tuple[list[tuple], list[Layout]]:
     if axis is None:  # already split: one entry (a tensor or a tuple of tensors) per partition
         if not isinstance(inputs, Sequence) or not inputs:
-            raise ShardvarTypeError("with axis=None, inputs must be a non-empty list with one entry per partition")
+            raise ShardvarTypeError(
+                f"with axis=None, inputs must be a non-empty list with one entry per partition; got {inputs!r:.80}"
+            )
         return [_as_tuple(x) for x in inputs], []
     tensors = _as_tuple(inputs)
     if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
@@ -63,11 +66,57 @@ def _check_tout(outputs: list[tuple], tout: Sequence[torch.dtype] | None) -> Non
                 raise ShardvarTypeError(f"output {i} of partition {p} is {got}; Tout declares {want}")
 
 
+def _check_aggregate(how: Any, tout: Any) -> Aggregate:
+    """``aggregate`` and ``Tout`` checked before any partition runs."""
+    if tout is not None and (
+        isinstance(tout, (str, torch.dtype))
+        or not isinstance(tout, Sequence)
+        or not all(isinstance(d, torch.dtype) for d in tout)
+    ):
+        raise ShardvarTypeError(f"Tout must be a list of torch dtypes, one per output; got {tout!r:.80}")
+    return how if callable(how) else check_choice(how, "aggregate", AGGREGATES)
+
+
+def _shapes(outputs: list[tuple]) -> list[list]:
+    return [[list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in o] for o in outputs]
+
+
+def _check_combinable(outputs: list[tuple], how: str, layouts: list[Layout]) -> None:
+    """The partitions' outputs can be combined by ``how`` output by output (checked before combining)."""
+    if len({len(o) for o in outputs}) > 1:
+        raise ShardvarValueError(
+            f"the partitions returned different numbers of outputs {[len(o) for o in outputs]}; "
+            f"aggregate={how!r} combines them output by output"
+        )
+    axis = layouts[0].axis if layouts else 0
+    for i in range(len(outputs[0])):
+        column = [o[i] for o in outputs]
+        if not all(isinstance(t, torch.Tensor) for t in column):
+            raise ShardvarTypeError(f"aggregate={how!r} needs tensors; got outputs {_shapes(outputs)} by partition")
+        if how == "concat":
+            rest = {(*t.shape[:axis], *t.shape[axis + 1 :]) if t.dim() > axis else None for t in column}
+            fits, expected = None not in rest and len(rest) == 1, f"one shape except along axis {axis}"
+        else:
+            fits, expected = len({tuple(t.shape) for t in column}) == 1, "one shape"
+        if not fits:
+            raise ShardvarValueError(
+                f"output {i} of the partitions cannot be combined with aggregate={how!r}: shapes "
+                f"{[list(t.shape) for t in column]} by partition; expected {expected}"
+            )
+
+
 def _aggregate(outputs: list[tuple], how: Aggregate, layouts: list[Layout], device: torch.device) -> Any:
     if callable(how):
-        return how([o if len(o) > 1 else o[0] for o in outputs])
+        try:
+            return how([o if len(o) > 1 else o[0] for o in outputs])
+        except Exception as e:  # the user's combiner: its failure, named with what it was given
+            raise ShardvarValueError(
+                f"aggregate {getattr(how, '__name__', how)!r} failed on the partitions' outputs "
+                f"{_shapes(outputs)}: {type(e).__name__}: {e}"
+            ) from e
     if how == "list":
         return [o if len(o) > 1 else o[0] for o in outputs]
+    _check_combinable(outputs, how, layouts)
     results = []
     for i in range(len(outputs[0])):
         column = [o[i].to(device) for o in outputs]
@@ -75,10 +124,8 @@ def _aggregate(outputs: list[tuple], how: Aggregate, layouts: list[Layout], devi
             results.append(torch.stack(column).sum(0))
         elif how == "mean":
             results.append(torch.stack(column).mean(0))
-        elif how == "concat":
-            results.append(layouts[0].join(column) if layouts else torch.cat(column))
         else:
-            raise ShardvarValueError(f"aggregate must be 'concat', 'sum', 'mean', 'list' or a callable; got {how!r}")
+            results.append(layouts[0].join(column) if layouts else torch.cat(column))
     return results[0] if len(results) == 1 else tuple(results)
 
 
@@ -103,10 +150,11 @@ def _devices(
     if partitions is not None:
         partitions = check_int(partitions, "num_partitions", minimum=1)
     if devices is not None:
-        if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence) or not devices:
+        if isinstance(devices, Sequence) and not isinstance(devices, str) and not devices:
             raise ShardvarValueError(f"devices must be a non-empty list of devices; got {devices!r:.80}")
-        devices = [check_device(d) for d in devices]
-    n = partitions or (len(devices) if devices else (len(inputs) if axis is None else 1))
+        devices = check_devices(devices)
+    given = len(inputs) if axis is None and isinstance(inputs, Sequence) else 1  # bad inputs: refused by _split
+    n = partitions or (len(devices) if devices else given)
     if devices is None:
         return [torch.device("cpu")] * n
     return [devices[p % len(devices)] for p in range(n)]
@@ -130,6 +178,7 @@ def partitioned_call(
     >>> partitioned_call(lambda x: x.sum(0, keepdim=True), torch.ones(4, 2), num_partitions=2, aggregate="sum")
     tensor([[4., 4.]])
     """
+    aggregate = _check_aggregate(aggregate, Tout)
     devs = _devices(devices, num_partitions, inputs, axis)
     parts, layouts = _split(inputs, axis, len(devs), partition_strategy)
     if len(parts) != len(devs):
@@ -185,6 +234,7 @@ class StatefulPartitionedCall:
         Tout: Sequence[torch.dtype] | None = None,
     ) -> None:
         _check_state(state)
+        aggregate = _check_aggregate(aggregate, Tout)
         self.fn, self.axis, self.partition_strategy, self.aggregate, self.Tout = (
             fn,
             axis,

@@ -152,7 +152,9 @@ def _items(shapes: Mapping[str, Sequence[int]] | nn.Module, dtype: torch.dtype |
 
 def _budgets(devices: Mapping[str, int]) -> dict[str, int]:
     if not isinstance(devices, Mapping) or not devices:
-        raise ShardvarValueError("plan needs at least one device with a budget, e.g. {'cpu:0': 2 << 30}")
+        raise ShardvarValueError(
+            f"plan needs at least one device with a budget, e.g. {{'cpu:0': 2 << 30}}; got {devices!r:.80}"
+        )
     budgets = {str(d): check_int(b, f"the budget of {d}") for d, b in devices.items()}
     bad = [(d, b) for d, b in budgets.items() if b <= 0]
     if bad:

@@ -100,5 +100,5 @@ def strategy_from_json(text: str) -> dict[str, PartitionSpec]:
     """The strategy :func:`strategy_to_json` wrote."""
     raw = json.loads(text)
     if not isinstance(raw, dict):
-        raise ShardvarValueError("a strategy's JSON must be an object mapping names to specs")
+        raise ShardvarValueError(f"a strategy's JSON must be an object mapping names to specs; got {text!r:.80}")
     return {name: PartitionSpec.from_json_obj(obj) for name, obj in raw.items()}

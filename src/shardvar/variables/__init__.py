@@ -8,6 +8,7 @@ from . import _functional as functional
 from ._create import create_partitioned_variables, shard_tensor, to_layout
 from ._init import RowInitializer
 from ._lookup import embedding_bag, embedding_lookup, embedding_lookup_sparse, safe_embedding_lookup_sparse
+from ._module import attribute_variables
 from ._sharded_variable import ShardedVariable
 from ._store import ShardStore
 from ._view import ShardsView
@@ -15,6 +16,7 @@ from ._view import ShardsView
 __all__ = [
     "ShardsView",
     "RowInitializer",
+    "attribute_variables",
     "ShardStore",
     "ShardedVariable",
     "create_partitioned_variables",

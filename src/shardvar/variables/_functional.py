@@ -19,10 +19,11 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .._errors import ShardvarDTypeError, ShardvarTypeError, ShardvarValueError
+from .._errors import ShardvarDTypeError, ShardvarValueError
 from .._validate import check_bool, check_choice, check_int, check_number
 from ..layout import as_ids, check_ids
 from ._autograd import GatherRows, SlabView, gather_local, scatter_grads
+from ._jagged import bags, on_values
 from ._store import ShardStore
 
 __all__ = [
@@ -136,11 +137,9 @@ def _on_meta(store: ShardStore) -> bool:
 
 def _ids(store: ShardStore, ids: Any) -> torch.Tensor:
     device = store.groups[0].device if store.groups else None
-    t = as_ids(ids, device=None if isinstance(ids, torch.Tensor) else device)
+    t = as_ids(ids, device=None if isinstance(ids, torch.Tensor) else device, allow_meta=_on_meta(store))
     if _on_meta(store):
         return t.to("meta")  # shapes only: a meta table holds no values to check ids against
-    if t.is_meta:
-        raise ShardvarTypeError("ids on the meta device hold no values; look up real ids (the table is not on meta)")
     if _exchange(store) is None and not _transformed(t):
         check_ids(t, store.layout.num_rows)  # a distributed lookup agrees on bad ids across ranks
     return t
@@ -185,11 +184,18 @@ def embedding(
     scale_grad_by_freq: bool = False,
     sparse: bool = False,
 ) -> torch.Tensor:
-    """``F.embedding(ids, table)`` where the table is the store's logical variable (split along axis 0)."""
-    ids, padding_idx, max_norm, norm_type = _prepare(store, ids, padding_idx, max_norm, norm_type, sparse)
-    src = _source(store, ids.reshape(-1), padding_idx, max_norm, norm_type, sparse)
-    out = F.embedding(src.indices, src.weight, src.padding_idx, src.max_norm, norm_type, scale_grad_by_freq, src.sparse)
-    return out.reshape(*ids.shape, *store.row_shape)
+    """``F.embedding(ids, table)`` where the table is the store's logical variable (split along axis 0).
+
+    Jagged ids give jagged rows (the lookup of their values, in their structure).
+    """
+
+    def lookup(ids: Any) -> torch.Tensor:
+        ids, pad, clip, norm = _prepare(store, ids, padding_idx, max_norm, norm_type, sparse)
+        src = _source(store, ids.reshape(-1), pad, clip, norm, sparse)
+        out = F.embedding(src.indices, src.weight, src.padding_idx, src.max_norm, norm, scale_grad_by_freq, src.sparse)
+        return out.reshape((*ids.shape, *store.row_shape))  # a tuple: 0-d ids of 1-D params give a 0-d result
+
+    return on_values(ids, lookup)
 
 
 def _check_sparse(store: ShardStore, sparse: bool) -> None:
@@ -203,13 +209,16 @@ def _check_sparse(store: ShardStore, sparse: bool) -> None:
 def _check_bag(ids: torch.Tensor, offsets: torch.Tensor | None, include_last_offset: bool) -> torch.Tensor | None:
     if ids.dim() == 2:
         if offsets is not None:
-            raise ShardvarValueError("offsets must be None when input is 2-D (each row is one bag)")
+            raise ShardvarValueError(
+                f"offsets must be None when input is 2-D (each row is one bag); got offsets={offsets!r:.60} with "
+                f"input of shape {list(ids.shape)}"
+            )
         return None
     if ids.dim() != 1 or offsets is None:
         raise ShardvarValueError(
             f"input must be 2-D, or 1-D with offsets; got shape {list(ids.shape)} and offsets={offsets}"
         )
-    offsets = as_ids(offsets).to(ids.device)
+    offsets = as_ids(offsets)  # checked where they are (a meta table's ids are meta), then moved
     if offsets.dim() != 1 or offsets.numel() == 0 or int(offsets[0]) != 0:
         raise ShardvarValueError(f"offsets must be 1-D, non-empty and start at 0; got {offsets.tolist()[:8]}")
     if bool((offsets[1:] < offsets[:-1]).any()) or int(offsets[-1]) > ids.numel():
@@ -220,7 +229,7 @@ def _check_bag(ids: torch.Tensor, offsets: torch.Tensor | None, include_last_off
         raise ShardvarValueError(
             f"with include_last_offset=True the last offset must equal len(input)={ids.numel()}; got {int(offsets[-1])}"
         )
-    return offsets
+    return offsets.to(ids.device)
 
 
 def _check_weights(per_sample_weights: Any, ids: torch.Tensor, mode: str, dtype: torch.dtype) -> torch.Tensor | None:
@@ -252,8 +261,12 @@ def embedding_bag(
     scale_grad_by_freq: bool = False,
     sparse: bool = False,
 ) -> torch.Tensor:
-    """``F.embedding_bag`` over the store's logical ``[rows, dim]`` table; everything is checked first."""
+    """``F.embedding_bag`` over the store's logical ``[rows, dim]`` table; everything is checked first.
+
+    Jagged ``[B, j]`` input is B bags (its rows), as ``F.embedding_bag`` reads it.
+    """
     check_choice(mode, "mode", BAG_MODES)
+    ids, offsets, per_sample_weights, include_last_offset = bags(ids, offsets, per_sample_weights, include_last_offset)
     ids, padding_idx, max_norm, norm_type = _prepare(store, ids, padding_idx, max_norm, norm_type, sparse)
     offsets = _check_bag(ids, offsets, include_last_offset)
     weights = _check_weights(per_sample_weights, ids, mode, store.dtype)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from .._errors import ShardvarIndexError, ShardvarTypeError
+from .._validate import check_has_values
 from ..layout import Layout, last_occurrence
 from ._functional import gather
 from ._store import ShardStore
@@ -23,6 +24,10 @@ __all__ = ["getitem", "setitem", "expand_key"]
 
 
 def _to_entry(k: Any) -> Any:
+    if isinstance(k, torch.Tensor):
+        check_has_values(k, "an index tensor")  # a meta index has no positions to read or write
+        if k.is_nested:
+            raise ShardvarTypeError(f"an index tensor must be a plain tensor; got a nested one (layout={k.layout})")
     if isinstance(k, (np.ndarray, list)):
         arr = np.asarray(k)
         if arr.dtype == bool:
@@ -56,10 +61,12 @@ def _dims(entry: Any) -> int:
 def expand_key(key: Any, ndim: int) -> tuple[list[Any], list[int]]:
     """Entries with Ellipsis expanded and trailing dims filled, and the first dim each entry covers."""
     if isinstance(key, bool) or (isinstance(key, tuple) and any(isinstance(k, bool) for k in key)):
-        raise ShardvarTypeError("a Python bool is not a supported index on a ShardedVariable; use a boolean tensor")
+        raise ShardvarTypeError(
+            f"a Python bool is not a supported index on a ShardedVariable; use a boolean tensor; got key {key!r:.80}"
+        )
     entries = [_to_entry(k) for k in (key if isinstance(key, tuple) else (key,))]
     if sum(e is Ellipsis for e in entries) > 1:
-        raise ShardvarIndexError("an index can only have a single ellipsis ('...')")
+        raise ShardvarIndexError(f"an index can only have a single ellipsis ('...'); got key {key!r:.80}")
     used = sum(_dims(e) for e in entries if e is not Ellipsis)
     if used > ndim:
         raise ShardvarIndexError(f"too many indices for a variable of {ndim} dimension(s): {used} were indexed")
@@ -189,7 +196,9 @@ def setitem(store: ShardStore, key: Any, value: Any) -> None:
     layout, axis, size, shape = store.layout, store.layout.axis, store.shape[store.layout.axis], store.shape
     entries, starts = expand_key(key, len(shape))
     if any(e is None for e in entries):
-        raise ShardvarTypeError("None (newaxis) is not supported in an assignment to a ShardedVariable")
+        raise ShardvarTypeError(
+            f"None (newaxis) is not supported in an assignment to a ShardedVariable; got key {key!r:.80}"
+        )
     i = _axis_entry(entries, starts, axis)
     e = entries[i]
     others = [x for j, x in enumerate(entries) if j != i]

@@ -16,10 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from .._errors import ShardvarDTypeError, ShardvarTypeError, ShardvarValueError
-from .._validate import check_choice, check_number
+from .._validate import check_choice, check_has_values, check_number
 from ..layout import as_ids
 from . import _functional
+from ._jagged import bags, on_values
 from ._sharded_variable import ShardedVariable
+from ._values import ids_device
 
 __all__ = ["embedding_lookup", "embedding_lookup_sparse", "safe_embedding_lookup_sparse", "embedding_bag"]
 
@@ -81,8 +83,12 @@ def embedding_lookup(
     """
     variable = as_sharded(params, partition_strategy)
     max_norm = check_number(max_norm, "max_norm", positive=True, allow_none=True)
-    rows = _functional.gather(variable.store, ids)
-    return _clip(rows, rows.dim() - len(variable.store.row_shape), max_norm)
+
+    def lookup(flat: Any) -> torch.Tensor:
+        rows = _functional.gather(variable.store, flat)
+        return _clip(rows, rows.dim() - len(variable.store.row_shape), max_norm)
+
+    return on_values(ids, lookup)  # jagged ids: jagged rows
 
 
 def _sparse_parts(sp: Any, what: str, flatten: bool = False) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
@@ -91,6 +97,7 @@ def _sparse_parts(sp: Any, what: str, flatten: bool = False) -> tuple[torch.Tens
     if not is_coo or not (sp.dim() >= 2 if flatten else sp.dim() == 2):
         shape = "[batch..., k]" if flatten else "[batch, k]"
         raise ShardvarTypeError(f"{what} must be a torch sparse COO tensor {shape}; got {sp!r:.100}")
+    check_has_values(sp, what)
     # Not coalesced on purpose: coalescing would add up repeated entries of a bag.
     indices = sp.indices() if sp.is_coalesced() else sp._indices()
     values = sp.values() if sp.is_coalesced() else sp._values()
@@ -108,7 +115,10 @@ def _same_indices(sp_ids: torch.Tensor, sp_weights: Any, dtype: torch.dtype) -> 
     ids_idx = sp_ids.indices() if sp_ids.is_coalesced() else sp_ids._indices()
     w_idx = sp_weights.indices() if sp_weights.is_coalesced() else sp_weights._indices()
     if w_idx.shape != ids_idx.shape or not torch.equal(w_idx, ids_idx.to(w_idx.device)):
-        raise ShardvarValueError("sp_weights must have the same indices as sp_ids")
+        raise ShardvarValueError(
+            f"sp_weights must have the same indices as sp_ids; got {w_idx.shape[1]} entries at "
+            f"{w_idx.T.tolist()[:4]}... for {ids_idx.shape[1]} at {ids_idx.T.tolist()[:4]}..."
+        )
     if weights.dtype != dtype:
         raise ShardvarDTypeError(f"sp_weights must have the params' dtype {dtype}; got {weights.dtype}")
     return weights
@@ -152,10 +162,12 @@ def _combine(
     if batch > 1:
         offsets[1:] = torch.bincount(bag, minlength=batch)[:-1].cumsum(0)
     if max_norm is None:
-        return _functional.embedding_bag(store, ids, offsets.to(ids.device), mode=mode, per_sample_weights=per_sample)
-    rows = _clip(_functional.gather(store, ids), 1, max_norm)
-    positions = torch.arange(ids.numel(), device=rows.device)
-    return F.embedding_bag(positions, rows, offsets.to(rows.device), mode=mode, per_sample_weights=per_sample)
+        out = _functional.embedding_bag(store, ids, offsets.to(ids.device), mode=mode, per_sample_weights=per_sample)
+    else:
+        rows = _clip(_functional.gather(store, ids), 1, max_norm).reshape(ids.numel(), store.width)
+        positions = torch.arange(ids.numel(), device=rows.device)
+        out = F.embedding_bag(positions, rows, offsets.to(rows.device), mode=mode, per_sample_weights=per_sample)
+    return out.reshape((batch, *store.row_shape))  # bags pool flat rows; params of rank > 2 keep their row shape
 
 
 def _check_combiner(combiner: Any) -> str:
@@ -182,7 +194,7 @@ def embedding_lookup_sparse(
     max_norm = check_number(max_norm, "max_norm", positive=True, allow_none=True)
     bag, ids, batch = _sparse_parts(sp_ids, "sp_ids")
     weights = _same_indices(sp_ids, sp_weights, variable.dtype)
-    ids = as_ids(ids, device=variable.device)
+    ids = as_ids(ids, device=ids_device(variable.store))
     return _combine(variable, ids, bag, weights, batch[0], combiner, max_norm)
 
 
@@ -206,7 +218,7 @@ def safe_embedding_lookup_sparse(
     max_norm = check_number(max_norm, "max_norm", positive=True, allow_none=True)
     bag, ids, batch_shape = _sparse_parts(sp_ids, "sp_ids", flatten=True)
     weights = _same_indices(sp_ids, sp_weights, variable.dtype)
-    ids = as_ids(ids, device=variable.device)
+    ids = as_ids(ids, device=ids_device(variable.store))
     keep = ids >= 0
     if weights is not None:
         keep &= weights.to(keep.device) > 0
@@ -217,8 +229,8 @@ def safe_embedding_lookup_sparse(
     if default_id is not None:
         empty = torch.bincount(bag.to(out.device), minlength=batch) == 0
         default_row = embedding_lookup(variable, torch.tensor([default_id], device=variable.device), max_norm=max_norm)
-        out = torch.where(empty.reshape(-1, *[1] * (out.dim() - 1)), default_row.to(out.device), out)
-    return out.reshape(*batch_shape, *out.shape[1:])
+        out = torch.where(empty.reshape((-1, *[1] * (out.dim() - 1))), default_row.to(out.device), out)
+    return out.reshape((*batch_shape, *out.shape[1:]))
 
 
 def embedding_bag(
@@ -242,6 +254,9 @@ def embedding_bag(
     """
     variable = as_sharded(params, partition_strategy)
     max_norm = check_number(max_norm, "max_norm", positive=True, allow_none=True)
+    input, offsets, per_sample_weights, include_last_offset = bags(
+        input, offsets, per_sample_weights, include_last_offset
+    )
     options = {
         "mode": mode,
         "per_sample_weights": per_sample_weights,

@@ -1,7 +1,10 @@
 """ShardedVariable: one logical variable made of shards, usable as a tensor.
 
 The class holds the shards and the layout only; indexing, assignment, scatter updates and
-lookups live in their own modules (``_indexing``, ``_update``, ``_lookup``).
+lookups live in their own modules (``_indexing``, ``_update``, ``_lookup``). It is an ``nn.Module``
+whose shards are its parameters (``shard_<i>``; plain tensors are buffers), so a variable assigned
+as an attribute of a module is registered by torch's own ``__setattr__`` rule for submodules
+(see ``_module`` for its logical state_dict key).
 """
 
 from __future__ import annotations
@@ -12,15 +15,18 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from .._errors import ShardvarDTypeError, ShardvarTypeError, ShardvarValueError
-from .._validate import normalise_axis
+from .._validate import check_choice, check_device, check_has_values, normalise_axis
 from ..layout import Layout
 from . import _indexing, _torch_ops, _update, _values  # noqa: F401 (_torch_ops registers handlers)
 from ._store import ShardStore
 from ._tensor_methods import TensorMethods
 
-__all__ = ["ShardedVariable"]
+__all__ = ["FORMS", "ShardedVariable"]
+
+FORMS = ("logical", "sharded")  # state_dict forms of a sharded thing: one logical key, or one key per shard
 
 
 def _check_shards(shards: object, axis: int) -> tuple[list[torch.Tensor], int]:
@@ -46,7 +52,11 @@ def _check_shards(shards: object, axis: int) -> tuple[list[torch.Tensor], int]:
     return list(shards), axis
 
 
-class ShardedVariable(TensorMethods):
+# What nn.Module.__init__ creates: built on first use (see ShardedVariable.__getattr__).
+_MODULE_STATE = frozenset(vars(nn.Module()))
+
+
+class ShardedVariable(TensorMethods, nn.Module):
     """A logical tensor stored as shards split along one axis by a layout.
 
     Shards on one device that share their memory with no other tensor are moved into one
@@ -61,7 +71,12 @@ class ShardedVariable(TensorMethods):
             [6., 7.]])
     >>> (v + 1).sum()
     tensor(55.)
+
+    As an attribute of a module it is one of its submodules, like any ``nn.Module``:
+    ``parameters()``, ``.to()``, optimizers and ``state_dict()`` (one logical key) see its shards.
     """
+
+    state_dict_form: str = "logical"  # as a module attribute: one key (the logical tensor) or one per shard
 
     def __init__(self, shards: Sequence[torch.Tensor], strategy: str = "div", axis: int = 0, name: str | None = None):
         shards, axis = _check_shards(shards, axis)
@@ -75,8 +90,65 @@ class ShardedVariable(TensorMethods):
     def from_store(cls, store: ShardStore, name: str | None = None) -> ShardedVariable:
         """The variable over an existing store (its shards are shared, not copied)."""
         v = cls.__new__(cls)
-        v._store, v.name = store, name
+        # Straight into __dict__: a new variable has no module state to register into yet, and
+        # nn.Module.__setattr__ costs ~10x this whole call (views like module.weight are made often).
+        v.__dict__["_shard_store"], v.__dict__["name"] = store, name
         return v
+
+    # -- the nn.Module side ---------------------------------------------------------------------
+    # Variables are made on hot paths (``module.weight``, parametrization forwards) and most never
+    # meet torch's module machinery, so nn.Module's state (hook dicts, the shard registrations) is
+    # built the first time something reads it, rather than ~70 us on every variable made.
+    @property
+    def _store(self) -> ShardStore:
+        return self.__dict__["_shard_store"]
+
+    @_store.setter
+    def _store(self, store: ShardStore) -> None:
+        self.__dict__["_shard_store"] = store
+        if "_parameters" in self.__dict__:
+            self._register_shards()
+
+    def _register_shards(self) -> None:
+        for table in (self._parameters, self._buffers):
+            for key in [k for k in table if k.startswith("shard_")]:
+                del table[key]
+        store = self.__dict__.get("_shard_store")  # None while a subclass is still being built
+        for s, t in (store.local_shards() if store is not None else {}).items():
+            if isinstance(t, nn.Parameter):
+                self.register_parameter(f"shard_{s}", t)
+            else:
+                self.register_buffer(f"shard_{s}", t)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _MODULE_STATE and "_parameters" not in self.__dict__:
+            nn.Module.__init__(self)
+            self._register_shards()
+            return getattr(self, name)
+        try:
+            return nn.Module.__getattr__(self, name)  # a registered shard (``shard_0``)
+        except AttributeError:
+            return TensorMethods.__getattr__(self, name)
+
+    def _registered(self) -> dict[int, torch.Tensor]:
+        found = {**self._parameters, **self._buffers}
+        return {int(k[6:]): t for k, t in found.items() if k.startswith("shard_") and t is not None}
+
+    def _apply(self, fn: Any, recurse: bool = True) -> ShardedVariable:
+        # module.to()/.double()/...: torch converts the registered shards (in place, or as new
+        # tensors: buffers always, parameters under torch.__future__'s flags); the store follows.
+        super()._apply(fn, recurse)
+        store, shards = self._store, self._registered()
+        if any(store.local_shards().get(s) is not t for s, t in shards.items()):
+            exchange, store = store.exchange, ShardStore(store.layout, store.shape, shards)
+            store.exchange = exchange
+            self._store = store
+        store.refresh()
+        return self
+
+    def set_state_dict_form(self, form: str) -> None:
+        """``"logical"`` (default: as a module attribute ``v``, one key, the whole tensor) or ``"sharded"``."""
+        self.state_dict_form = check_choice(form, "form", FORMS)
 
     # -- what it is -----------------------------------------------------------------------------
     @property
@@ -142,6 +214,7 @@ class ShardedVariable(TensorMethods):
     # -- materialising --------------------------------------------------------------------------
     def to_tensor(self, device: torch.device | str | None = None) -> torch.Tensor:
         """The whole logical tensor, a new one (differentiable with respect to the shards)."""
+        device = None if device is None else check_device(device)
         whole = _values.materialise(self.store)
         return whole if device is None else whole.to(device)
 
@@ -155,8 +228,12 @@ class ShardedVariable(TensorMethods):
         """
         return _values.materialise(self.store, copy=copy)
 
+    def _concrete(self) -> torch.Tensor:
+        """The logical tensor, for Python and numpy values (a meta variable has none)."""
+        return check_has_values(self.to_tensor(), f"{type(self).__name__} {self.name or ''}".rstrip())
+
     def numpy(self) -> np.ndarray:
-        return self.to_tensor().detach().cpu().numpy()
+        return self._concrete().detach().cpu().numpy()
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         out = self.numpy()
@@ -164,13 +241,13 @@ class ShardedVariable(TensorMethods):
 
     # -- acting as a tensor ---------------------------------------------------------------------
     def __bool__(self) -> bool:
-        return bool(self.to_tensor())
+        return bool(self._concrete())
 
     def __float__(self) -> float:
-        return float(self.to_tensor())
+        return float(self._concrete())
 
     def __int__(self) -> int:
-        return int(self.to_tensor())
+        return int(self._concrete())
 
     __hash__ = object.__hash__
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .._errors import ShardvarDTypeError, ShardvarValueError
+from .._validate import check_devices
 from ..layout import Layout
 from ._memory import adopt, as_slab, check_disjoint, where
 
@@ -102,9 +103,7 @@ class ShardStore:
         """
         shape = torch.Size(layout.check_shape(shape))
         owned = list(range(layout.num_shards)) if owned is None else sorted(owned)
-        devs = [torch.device(d) for d in devices] if devices is not None else None
-        if devs is not None and len(devs) != layout.num_shards:
-            raise ShardvarValueError(f"got {len(devs)} devices for {layout.num_shards} shards; give one per shard")
+        devs = check_devices(devices, layout.num_shards) if devices is not None else None
         default = values.device if isinstance(values, torch.Tensor) else torch.device("cpu")
         where = {s: devs[s] if devs else default for s in owned}
         parts = layout.split(values) if isinstance(values, torch.Tensor) else None

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .._errors import ShardvarTypeError, ShardvarValueError
+from .._validate import check_device, check_has_values
 from ._torch_function import inplace, torch_function
 from ._update import check_writable
 from ._values import check_local
@@ -47,6 +48,9 @@ def _inplace_method(name: str):
     method = getattr(_T, name)
 
     def apply(self, *args: Any, **kwargs: Any) -> Any:
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor):
+                check_has_values(a, f"the argument of {name}")  # a meta value has nothing to write
         if name in _SHARD_LOCAL and _numbers(args, kwargs):
             shards = check_local(self.store, name)
             check_writable(shards)
@@ -73,13 +77,25 @@ class TensorMethods:
 
     # -- reads: plain tensors of the logical value ----------------------------------------------
     def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self.to_tensor().to(*args, **kwargs)
+        first = args[0] if args else None
+        if first is not None and not isinstance(first, (str, torch.device, torch.dtype, torch.Tensor, int)):
+            raise ShardvarTypeError(f".to() takes a device, dtype or tensor; got {first!r:.60}")
+        device = kwargs.get("device", first if isinstance(first, (str, torch.device)) else None)
+        if device is not None:
+            check_device(device)  # "nonsense" or "cuda:9": shardvar's error before anything is read
+        try:
+            return self.to_tensor().to(*args, **kwargs)
+        except TypeError as e:
+            raise ShardvarTypeError(
+                f".to() takes a device, dtype or tensor; got {args!r:.60}, {kwargs!r:.60} ({e})"
+            ) from None
 
     def cpu(self) -> torch.Tensor:
         return self.to_tensor().cpu()
 
-    def cuda(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self.to_tensor().cuda(*args, **kwargs)
+    def cuda(self, device: Any = None, *args: Any, **kwargs: Any) -> torch.Tensor:
+        check_device(torch.device("cuda", device) if isinstance(device, int) else device or "cuda")
+        return self.to_tensor().cuda(device, *args, **kwargs)
 
     def float(self) -> torch.Tensor:
         return self.to_tensor().float()
@@ -90,6 +106,13 @@ class TensorMethods:
     def half(self) -> torch.Tensor:
         return self.to_tensor().half()
 
+    # As Tensor's, not nn.Module's (a ShardedVariable is also a module): these read, never convert.
+    def bfloat16(self) -> torch.Tensor:
+        return self.to_tensor().bfloat16()
+
+    def type(self, dtype: Any = None, *args: Any, **kwargs: Any) -> Any:
+        return self.variables[0].type() if dtype is None else self.to_tensor().type(dtype, *args, **kwargs)
+
     def detach(self) -> torch.Tensor:
         return self.logical(copy=False).detach()
 
@@ -97,7 +120,7 @@ class TensorMethods:
         return self.to_tensor()
 
     def tolist(self) -> Any:
-        return self.to_tensor().tolist()
+        return self._concrete().tolist()
 
     def new(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.variables[0].detach().new(*args, **kwargs)

@@ -16,7 +16,7 @@ from .._errors import ShardvarTypeError, ShardvarValueError
 from ..layout import as_ids, check_ids, group_positions, last_occurrence
 from ._functional import gather
 from ._store import ShardStore
-from ._values import check_local, coerce, device_of
+from ._values import check_local, coerce, ids_device
 
 __all__ = ["assign", "scatter", "sparse_read", "batch_scatter_update", "check_writable", "SCATTER_OPS"]
 
@@ -99,7 +99,7 @@ def _target(store: ShardStore, g: int) -> torch.Tensor:
 def scatter(store: ShardStore, op: str, indices: Any, updates: Any) -> None:
     """Apply ``op`` at logical rows ``indices`` with ``updates`` of shape ``indices.shape + row_shape``."""
     shards = check_local(store, op)
-    ids = as_ids(indices, device=None if isinstance(indices, torch.Tensor) else device_of(store))
+    ids = as_ids(indices, device=None if isinstance(indices, torch.Tensor) else ids_device(store))
     check_ids(ids, store.layout.num_rows)
     row_shape = store.row_shape
     updates = coerce(updates, store.dtype, (*ids.shape, *row_shape), "updates")
@@ -138,7 +138,7 @@ def batch_scatter_update(store: ShardStore, indices: Any, updates: Any) -> None:
     With 1-D indices this is :func:`scatter` with ``scatter_update``.
     """
     shards = check_local(store, "batch_scatter_update")
-    ids = as_ids(indices, device=None if isinstance(indices, torch.Tensor) else device_of(store))
+    ids = as_ids(indices, device=None if isinstance(indices, torch.Tensor) else ids_device(store))
     axis = store.layout.axis
     if ids.dim() <= 1:
         scatter(store, "scatter_update", ids, updates)

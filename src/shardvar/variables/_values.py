@@ -7,15 +7,22 @@ from typing import Any
 import torch
 
 from .._errors import ShardvarTypeError, ShardvarValueError
+from .._validate import check_has_values
 from ._functional import gather, slab_weight
 from ._store import ShardStore
 
-__all__ = ["materialise", "as_value", "coerce", "check_local", "check_range", "device_of"]
+__all__ = ["materialise", "as_value", "coerce", "check_local", "check_range", "device_of", "ids_device"]
 
 
 def device_of(store: ShardStore) -> torch.device:
     """Where results read from the store go: its first slab's (or shard's) device."""
     return store.groups[0].device if store.groups else torch.device("cpu")
+
+
+def ids_device(store: ShardStore) -> torch.device | None:
+    """Where ids given as lists go to be checked: the store's device, or the host for a meta store."""
+    device = device_of(store)
+    return None if device.type == "meta" else device
 
 
 def check_local(store: ShardStore, what: str) -> list[torch.Tensor]:
@@ -76,7 +83,7 @@ def coerce(
     value: Any, dtype: torch.dtype, shape: tuple[int, ...] | torch.Size, what: str = "value", selection: bool = False
 ) -> torch.Tensor:
     """``value`` checked and cast to ``dtype`` and broadcast to ``shape``, or a clear error."""
-    t = as_value(value)
+    t = check_has_values(as_value(value), what)
     explicit = isinstance(value, torch.Tensor) or isinstance(getattr(value, "store", None), ShardStore)
     if not torch.can_cast(t.dtype, dtype) and (explicit or dtype != torch.bool):
         raise ShardvarTypeError(
