@@ -7,7 +7,8 @@ The model, data and training loop are ``shardvar.cli.dlrm`` (``shardvar demo --t
 them too). Under torchrun every step looks all 26 tables up in one exchange per group of alike
 tables; ``--placement auto`` replicates the tiny tables, splits the large ones by rows and places
 the rest whole. ``--save DIR`` ends with a checkpoint any world size, layout or plain model can
-restore.
+restore. ``--timeout`` bounds every collective: a rank that dies or hangs, or ranks that run
+different numbers of steps, end every process with a clear error within it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 import shardvar
-from shardvar.cli.dlrm import build, tables, train
+from shardvar.cli.dlrm import build, explain, tables, train
 
 
 def main() -> None:
@@ -32,19 +33,25 @@ def main() -> None:
     parser.add_argument("--placement", choices=["row", "table", "auto"], default="row",
                         help="tables split by rows, whole (round robin over the ranks), or planned")  # fmt: skip
     parser.add_argument("--save", default=None)
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds any collective may wait for the others")
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     configs = tables(args.scale)
     placement = {"row": None, "table": dict.fromkeys(configs, "table"), "auto": "auto"}[args.placement]
-    model = build(configs, world, placement)
-    losses = train(model, configs, args.steps, args.batch, args.lr, world)
+    model = build(configs, world, placement, timeout=args.timeout)
+    losses = train(model, configs, args.steps, args.batch, args.lr, world, timeout=args.timeout)
     if world == 1 or dist.get_rank() == 0:
         head, tail = sum(losses[:10]) / min(10, len(losses)), sum(losses[-10:]) / min(10, len(losses))
         print(f"dlrm: {world} process(es), 26 tables, {args.steps} steps: loss {head:.4f} -> {tail:.4f}")
-    if args.save:
-        (shardvar.distributed.save if world > 1 else shardvar.save)({"model": model}, args.save)
+    if args.save and world > 1:
+        try:
+            shardvar.distributed.save({"model": model}, args.save, timeout=args.timeout)
+        except shardvar.ShardvarDistributedError as e:
+            raise explain(e, args.steps, running=False) from None
+    elif args.save:
+        shardvar.save({"model": model}, args.save)
     if world > 1:
         gc.collect()  # gloo work held by garbage cycles goes while the group is alive
         dist.destroy_process_group()

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._errors import ShardvarTypeError, ShardvarValueError
+from .._errors import ShardvarDistributedError, ShardvarTypeError, ShardvarValueError
 from .._validate import check_choice
 from ..layout import Layout
 from ..nn import KeyedJagged, TableConfig
@@ -66,6 +66,35 @@ def _ranks(spec: Any, layout: Layout, index: int, world: int, name: str) -> list
     )
 
 
+_FIELDS = ("num_embeddings", "embedding_dim", "partitioner", "partition_strategy", "mode")
+
+
+def _agree(comm: Comm, tables: dict[str, TableConfig], placement: dict[str, Any], sparse: bool) -> None:
+    """Every rank was given the same tables: else one short error naming the table, the argument
+    and both values (the packed groups the tables become would only differ in their shapes)."""
+    described = {n: {f: repr(getattr(c, f)) for f in _FIELDS} for n, c in tables.items()}
+    for name, fields in described.items():
+        fields["placement"] = repr(placement.get(name, "row"))
+    mine = (list(described), described, sparse)
+    everyone = comm.all_gather_object(mine, "the collection's tables")
+    for rank, (names, configs, other_sparse) in enumerate(everyone):
+        here = f"on rank {comm.rank} but {{}} on rank {rank}"
+        if names != mine[0]:
+            raise ShardvarDistributedError(
+                f"ranks disagree about the collection's tables: {mine[0]} {here.format(names)}"
+            )
+        if other_sparse != sparse:
+            raise ShardvarDistributedError(
+                f"ranks disagree about the collection: sparse is {sparse} {here.format(other_sparse)}"
+            )
+        for name, fields in described.items():
+            for field, value in fields.items():
+                if configs[name][field] != value:
+                    raise ShardvarDistributedError(
+                        f"ranks disagree about table {name!r}: {field} is {value} {here.format(configs[name][field])}"
+                    )
+
+
 class DistributedEmbeddingBagCollection(nn.Module):
     """Named tables sharded over the ranks of a process group, looked up in one exchange per group.
 
@@ -97,6 +126,7 @@ class DistributedEmbeddingBagCollection(nn.Module):
             raise ShardvarValueError(f"placement names tables {unknown} that are not in the collection")
         for name, cfg in tables.items():
             check_choice(cfg.mode, f"mode of table {name!r}", ("sum", "mean", "max"))
+        _agree(Comm(group, timeout), tables, placement, sparse)
         self.configs = dict(tables)
         init = initializer or RowInitializer()
         first = dict(zip(tables, [0, *itertools.accumulate(c.num_embeddings for c in tables.values())], strict=False))
