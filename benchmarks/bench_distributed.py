@@ -100,8 +100,11 @@ def _timed(step: Callable[[], None]) -> tuple[float, int]:
     return (time.perf_counter() - start) * 1e3, _faults() - faults
 
 
-def measure(rows: int, dim: int, batch: int, repeats: int, paths: tuple[str, ...] = PATHS) -> dict[str, dict]:
-    """Every rank of the initialised gloo group calls it; rank 0 gets ``{path: stats}`` (others: {})."""
+def measure(
+    rows: int, dim: int, batch: int, repeats: int, paths: tuple[str, ...] = PATHS, profile: bool = True
+) -> dict[str, dict]:
+    """Every rank of the initialised gloo group calls it; rank 0 gets ``{path: stats}`` (others: {}).
+    ``profile``: also the bytes a step allocates (one more step each, under torch's profiler)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     threads = torch.get_num_threads()
     everyone = [zipf_ids(batch, rows, seed=100 + r) for r in range(world)]
@@ -124,11 +127,11 @@ def measure(rows: int, dim: int, batch: int, repeats: int, paths: tuple[str, ...
                 times[name].append((time.perf_counter() - start) * 1e3), faults[name].append(_faults() - pf)
         torch.set_num_threads(threads)
         dist.barrier()
-    return _summarise(steps, single, times, faults, everyone, rows, dim)
+    return _summarise(steps, single if profile else {}, times, faults, everyone, rows, dim, profile)
 
 
 def _summarise(
-    steps: dict, single: dict, times: dict, faults: dict, everyone: list, rows: int, dim: int
+    steps: dict, single: dict, times: dict, faults: dict, everyone: list, rows: int, dim: int, profile: bool
 ) -> dict[str, dict]:
     from shardvar.distributed import DistributedEmbedding
 
@@ -143,7 +146,7 @@ def _summarise(
     bound = 2 * int((owner != rank).sum()) * dim * 4  # each remote row out and its gradient back
     local = {name: {"ms": times[name], "faults": statistics.median(faults[name])} for name in steps}
     for name, step in steps.items():
-        local[name]["mib"] = _allocated_mib(step)
+        local[name]["mib"] = _allocated_mib(step) if profile else float("nan")
     wire: list = [None] * world
     dist.all_gather_object(wire, (local, sent, bound))
     if rank:
@@ -152,8 +155,13 @@ def _summarise(
     for name in steps:  # a collective step takes as long as its slowest rank
         ms = [max(w[0][name]["ms"][i] for w in wire) for i in range(len(wire[0][0][name]["ms"]))]
         out[name] = {**wire[0][0][name], "ms": ms, "mib": max(w[0][name]["mib"] for w in wire)}
-    for name, step in single.items():
-        out[name] = {"ms": times[name], "faults": statistics.median(faults[name]), "mib": _allocated_mib(step)}
+    for name in times.keys() - steps.keys():
+        step = single.get(name)
+        out[name] = {
+            "ms": times[name],
+            "faults": statistics.median(faults[name]),
+            "mib": _allocated_mib(step) if step else float("nan"),
+        }
     out["wire"] = {"sent": sum(w[1] for w in wire), "bound": sum(w[2] for w in wire)}
     return out
 
@@ -163,21 +171,23 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: o
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     try:
-        stats = measure(args.rows, args.dim, args.batch, args.repeats, tuple(args.paths))
+        stats = measure(args.rows, args.dim, args.batch, args.repeats, tuple(args.paths), args.profile)
         if rank == 0:
             queue.put(stats)
     finally:
         dist.destroy_process_group()
 
 
-def run(rows: int, dim: int, batch: int, repeats: int, world: int = 2, paths: tuple[str, ...] = PATHS) -> dict:
+def run(
+    rows: int, dim: int, batch: int, repeats: int, world: int = 2, paths: tuple[str, ...] = PATHS, profile: bool = True
+) -> dict:
     """Spawn ``world`` ranks on this machine and return rank 0's :func:`measure` (the guard uses it)."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = argparse.Namespace(rows=rows, dim=dim, batch=batch, repeats=repeats, paths=list(paths))
+    args = argparse.Namespace(rows=rows, dim=dim, batch=batch, repeats=repeats, paths=list(paths), profile=profile)
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     mp.spawn(_worker, args=(world, port, args, queue), nprocs=world, join=True)
