@@ -12,19 +12,25 @@ are summed over the ranks, so every world size trains the same model.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import distributed
 from .._errors import ShardvarDistributedError, ShardvarValueError
+from ..checkpoint import load, save
+from ..checkpoint._manifest import MANIFEST
 from ..distributed import DistributedEmbeddingBagCollection
 from ..distributed._comm import DEFAULT_TIMEOUT, Comm
 from ..nn import EmbeddingBagCollection, TableConfig
 from ..variables import RowInitializer
 
-__all__ = ["CRITEO", "DLRM", "tables", "batch", "build", "train", "explain"]
+__all__ = ["CRITEO", "DLRM", "Checkpoints", "tables", "batch", "build", "train", "explain"]
 
 CRITEO = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
           5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]  # fmt: skip
@@ -116,6 +122,47 @@ def explain(error: ShardvarDistributedError, done: int, running: bool) -> Shardv
     )
 
 
+@dataclass
+class Checkpoints:
+    """Periodic asynchronous checkpoints under ``root`` (``step-<n>``, every ``every`` steps) and resuming
+    from the latest complete one: its manifest exists (rank 0 writes it last, once every rank's files
+    are on disk), so a run killed mid-save resumes from the one before. Any world size resumes any."""
+
+    root: Path
+    every: int
+    timeout: float = DEFAULT_TIMEOUT
+    pending: Any = field(default=None, repr=False)  # the AsyncSave still writing, if any
+
+    def latest(self) -> tuple[int, Path] | None:
+        done = [(int(p.name[5:]), p) for p in self.root.glob("step-*") if (p / MANIFEST).is_file()]
+        return max(done) if done else None
+
+    def resume(self, state: dict[str, Any], world: int) -> int:
+        """Load the latest complete checkpoint into ``state``; the step to go on from (0: none)."""
+        found = self.latest()
+        if found is None:
+            return 0
+        print(f"dlrm: resuming from {found[1]}", flush=True)
+        if world > 1:
+            distributed.load(state, found[1], timeout=self.timeout)
+        else:
+            load(state, found[1])
+        return found[0]
+
+    def after(self, step: int, state: dict[str, Any], world: int) -> None:
+        """Start the checkpoint of ``step`` steps done when it is due; training goes on while it writes."""
+        if self.every and step % self.every == 0:
+            path = self.root / f"step-{step:08d}"
+            if world > 1:
+                self.pending = distributed.save(state, path, timeout=self.timeout, asynchronous=True)
+            else:
+                self.pending = save(state, path, asynchronous=True)
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            self.pending.wait()
+
+
 def train(
     model: DLRM,
     configs: dict[str, TableConfig],
@@ -126,10 +173,14 @@ def train(
     seconds: list[float] | None = None,
     *,
     timeout: float = DEFAULT_TIMEOUT,
+    checkpoints: Checkpoints | None = None,
+    on_loss: Callable[[int, float], None] | None = None,
 ) -> list[float]:
-    """SGD on the global batch, each rank on its slice; returns the loss of every step (summed over ranks).
+    """SGD on the global batch, each rank on its slice; returns the loss of every step it ran (summed
+    over ranks): all of them, or those after the checkpoint it resumed from.
 
-    ``seconds``, when given, gets the time each step took. Collectives time out after ``timeout`` s.
+    ``seconds``, when given, gets the time each step took; ``on_loss(step, loss)`` is called after each.
+    Collectives time out after ``timeout`` s.
     """
     if size % world:
         raise ShardvarValueError(
@@ -138,15 +189,23 @@ def train(
         )
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     comm = Comm(None, timeout) if world > 1 else None
+    state = {"model": model, "opt": opt}
+    first = checkpoints.resume(state, world) if checkpoints else 0
     losses: list[float] = []
     try:
-        for step in range(steps):
+        for step in range(first, steps):
             start = time.perf_counter()
             losses.append(_step(model, configs, opt, step, size, comm))
             if seconds is not None:
                 seconds.append(time.perf_counter() - start)
+            if on_loss is not None:
+                on_loss(step, losses[-1])
+            if checkpoints:
+                checkpoints.after(step + 1, state, world)
+        if checkpoints:
+            checkpoints.wait()
     except ShardvarDistributedError as e:
-        raise explain(e, len(losses), running=True) from None
+        raise explain(e, first + len(losses), running=True) from None
     if comm is not None:
         dist.distributed_c10d._get_default_store().set(_finished_key(comm.rank), str(steps))
     return losses
