@@ -155,7 +155,7 @@ def _summarise(
     for name in steps:  # a collective step takes as long as its slowest rank
         ms = [max(w[0][name]["ms"][i] for w in wire) for i in range(len(wire[0][0][name]["ms"]))]
         out[name] = {**wire[0][0][name], "ms": ms, "mib": max(w[0][name]["mib"] for w in wire)}
-    for name in times.keys() - steps.keys():
+    for name in [k for k in times if k not in steps]:  # the one-process baselines, in order
         step = single.get(name)
         out[name] = {
             "ms": times[name],

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions  # not re-exported by torch.distributed
+from torch.distributed.distributed_c10d import AllgatherOptions  # not re-exported by torch.distributed
 
 from .._errors import ShardvarDistributedError
 from .._validate import check_number
