@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
         ("bench_quantized.py", ["int8, 8 shards", "fp32 / this", "Zipf(1.05) ids"]),
         ("bench_optim.py", ["RowWiseAdagrad vs SparseAdam", "RowWiseAdagrad state / table", "peak of 3 steps"]),
         ("bench_fused_step.py", ["ratio to plain", "per-id"]),
+        ("bench_distributed.py", ["2 ranks, dense", "2 ranks, dtensor", "one process, sparse", "x the bound"]),
     ],
 )
 def test_benchmark_runs_quick(script: str, prints: list[str]) -> None:
@@ -29,3 +31,13 @@ def test_benchmark_runs_quick(script: str, prints: list[str]) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert all(p in out.stdout for p in prints), out.stdout
+
+
+def test_the_guard_has_a_committed_baseline_for_every_path() -> None:
+    sys.path.insert(0, str(BENCHMARKS))
+    import guard
+
+    committed = json.loads((BENCHMARKS / "baseline.json").read_text())
+    assert 0 < committed["tolerance"] < 1
+    assert [name for name, _ in guard.CASES] == list(committed["ratios"])
+    assert all(r > 0 for r in committed["ratios"].values())

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from .._errors import ShardvarTypeError, ShardvarValueError
+from .._errors import ShardvarDistributedError, ShardvarTypeError, ShardvarValueError
 from ..layout import Layout
 from ..nn import KeyedJagged, TableConfig
 from ..nn._collection import check_tables, feature_map, pack, split_inputs
@@ -75,6 +75,35 @@ def _ranks(spec: Any, layout: Layout, index: int, world: int, name: str) -> list
     )
 
 
+_FIELDS = ("num_embeddings", "embedding_dim", "partitioner", "partition_strategy", "mode", "feature_names")
+
+
+def _agree(comm: Comm, tables: dict[str, TableConfig], placement: dict[str, Any], sparse: bool) -> None:
+    """Every rank was given the same tables: else one short error naming the table, the argument
+    and both values (the packed groups the tables become would only differ in their shapes)."""
+    described = {n: {f: repr(getattr(c, f)) for f in _FIELDS} for n, c in tables.items()}
+    for name, fields in described.items():
+        fields["placement"] = repr(placement.get(name, "row"))
+    mine = (list(described), described, sparse)
+    everyone = comm.all_gather_object(mine, "the collection's tables")
+    for rank, (names, configs, other_sparse) in enumerate(everyone):
+        here = f"on rank {comm.rank} but {{}} on rank {rank}"
+        if names != mine[0]:
+            raise ShardvarDistributedError(
+                f"ranks disagree about the collection's tables: {mine[0]} {here.format(names)}"
+            )
+        if other_sparse != sparse:
+            raise ShardvarDistributedError(
+                f"ranks disagree about the collection: sparse is {sparse} {here.format(other_sparse)}"
+            )
+        for name, fields in described.items():
+            for field, value in fields.items():
+                if configs[name][field] != value:
+                    raise ShardvarDistributedError(
+                        f"ranks disagree about table {name!r}: {field} is {value} {here.format(configs[name][field])}"
+                    )
+
+
 class DistributedEmbeddingBagCollection(nn.Module):
     """Named tables sharded over the ranks of a process group, looked up in one exchange per group.
 
@@ -106,6 +135,7 @@ class DistributedEmbeddingBagCollection(nn.Module):
         unknown = sorted(set(placement) - set(tables))
         if unknown:
             raise ShardvarValueError(f"placement names tables {unknown} that are not in the collection")
+        _agree(Comm(group, timeout), tables, placement, sparse)
         self.configs = dict(tables)
         self.feature_tables = feature_map(tables)
         init = initializer or RowInitializer()

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions  # not re-exported by torch.distributed
 
 from .._errors import ShardvarDistributedError
 from .._validate import check_number
@@ -62,9 +63,20 @@ class Comm:
         except Exception as e:  # gloo/NCCL raise RuntimeError subclasses of several kinds
             raise self._fail(what, e) from None
 
-    def _run(self, collective: Any, what: str, *args: Any, **kwargs: Any) -> None:
+    def _run(self, collective: str, options: Any, what: str, *args: Any) -> None:
+        """Issue ``collective`` on the group's backend with shardvar's timeout in its options, and wait.
+
+        The timeout goes down to the backend, not only to the wait: work that outlived a failed
+        wait would stay pending in gloo's threads, waiting for a rank that is gone or stuck until
+        the group's own timeout (30 min by default), and the group's destructor joins those
+        threads, so the process could not exit after the error and a launcher could not restart
+        the job. With the same timeout the backend gives up when the wait does.
+        """
+        options.timeout = timedelta(seconds=self.timeout)
+        options.asyncOp = True
+        group = self.group or dist.distributed_c10d._get_default_group()
         try:
-            work = collective(*args, group=self.group, async_op=True, **kwargs)
+            work = getattr(group, collective)(*args, options)
         except Exception as e:
             raise self._fail(what, e) from None
         self._wait(work, what)
@@ -75,7 +87,8 @@ class Comm:
         self.calls["all_to_all"] += 1
         row = inp[0].numel() * inp.element_size() if inp.dim() and inp.shape[0] else 0
         self.bytes_sent += row * (sum(in_splits) - in_splits[self.rank])
-        self._run(dist.all_to_all_single, f"all_to_all of {what}", out, inp, out_splits, in_splits)
+        options = dist.AllToAllOptions()
+        self._run("alltoall_base", options, f"all_to_all of {what}", out, inp, out_splits, in_splits)
 
     def _store(self) -> Any:
         try:
@@ -124,19 +137,21 @@ class Comm:
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
         size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
         sizes = [torch.empty_like(size) for _ in range(self.world)]
-        self._run(dist.all_gather, f"all_gather of {what} (sizes)", sizes, size)
+        self._run("allgather", AllgatherOptions(), f"all_gather of {what} (sizes)", [sizes], [size])
         longest = max(int(s) for s in sizes)
         padded = torch.zeros(longest, dtype=torch.uint8, device=self.device)
         padded[: data.numel()] = data
         gathered = [torch.empty_like(padded) for _ in range(self.world)]
-        self._run(dist.all_gather, f"all_gather of {what}", gathered, padded)
+        self._run("allgather", AllgatherOptions(), f"all_gather of {what}", [gathered], [padded])
         return [pickle.loads(g[: int(s)].cpu().numpy().tobytes()) for g, s in zip(gathered, sizes, strict=True)]
 
     def all_reduce(self, tensor: torch.Tensor, op: Any, what: str) -> None:
         self.calls["all_reduce"] += 1
-        self._run(dist.all_reduce, f"all_reduce of {what}", tensor, op=op)
+        options = dist.AllreduceOptions()
+        options.reduceOp = op
+        self._run("allreduce", options, f"all_reduce of {what}", [tensor])
 
     def barrier(self, what: str) -> None:
         self.calls["barrier"] += 1
         flag = torch.zeros(1, device=self.device)
-        self._run(dist.all_reduce, f"barrier ({what})", flag)
+        self._run("allreduce", dist.AllreduceOptions(), f"barrier ({what})", [flag])

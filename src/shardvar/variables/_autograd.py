@@ -77,11 +77,12 @@ def scatter_grads(store: ShardStore, ids: torch.Tensor, grad: torch.Tensor, spar
         if sparse:
             grads.update(store.split_sparse_grad(g, rows, part))
         else:
+            # The one table-sized buffer, accumulated in place: it becomes the shards' .grad.
             dense = torch.zeros(info.rows, store.width, dtype=store.dtype, device=info.device)
-            grads.update(store.split_grad(g, dense.index_add(0, rows, part)))
+            grads.update(store.split_grad(g, dense.index_add_(0, rows, part)))
     # A shard this lookup did not touch still gets a (zero) gradient, as its rows would in an
     # unsharded table: optimizers then step every shard exactly as they step the table.
-    missing = {s: t for s, t in store.zero_grads(sparse).items() if s not in grads}
+    missing = store.zero_grads(sparse, skip=grads.keys())
     return {**grads, **missing}
 
 

@@ -14,7 +14,7 @@ and values, only their memory moves (``Tensor.set_``), so the fast path is the o
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -258,14 +258,15 @@ class ShardStore:
             out[s] = _sparse(rows_s, values_s, self.layout.sizes[s])
         return out
 
-    def zero_grads(self, sparse: bool) -> dict[int, torch.Tensor]:
-        """A zero gradient for every local shard (sparse COO, or dense)."""
+    def zero_grads(self, sparse: bool, skip: Collection[int] = ()) -> dict[int, torch.Tensor]:
+        """A zero gradient for every local shard not in ``skip`` (sparse COO, or dense)."""
+        shards = {s: t for s, t in self._shards.items() if s not in skip}
         if sparse:
             return {
                 s: _sparse(torch.empty(0, dtype=torch.int64, device=t.device), t.new_empty(0, self.width), t.shape[0])
-                for s, t in self._shards.items()
+                for s, t in shards.items()
             }
-        return {s: torch.zeros_like(t) for s, t in self._shards.items()}
+        return {s: torch.zeros_like(t) for s, t in shards.items()}
 
     def __repr__(self) -> str:
         slabs = sum(g.slab is not None for g in self.groups)

@@ -1,0 +1,227 @@
+"""The speed guard: every speed path, as a ratio to its unsharded baseline, against benchmarks/baseline.json.
+
+    python benchmarks/guard.py             # the table; exit status 1 when a ratio got worse
+    python benchmarks/guard.py --update    # rewrite baseline.json with this run's ratios (deliberately)
+
+Each row times a sharded path and its unsharded baseline alternately in this run (the machine's
+state weighs on both) and takes the median ratio over ``--rounds`` rounds; the distributed rows
+are 2 ranks (gloo, loopback) against one process doing both ranks' ids. A row is flagged when its
+ratio is worse than the committed one by more than ``tolerance`` (a fraction, in baseline.json):
+ratios are steadier than times, but a busy machine still moves them, so rerun a flagged row before
+believing it. Not a CI test; run it before calling a change done and put its table in the note.
+Adding a path is one entry in CASES: a name and a function of the sizes that returns
+(sharded step, baseline step), or ``distributed(path)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_distributed
+from _common import print_table, zipf_ids
+from bench_optim import CASES as OPTIMIZERS
+from bench_paths import ratio
+
+import shardvar
+from shardvar import Layout, ShardedVariable
+
+BASELINE = Path(__file__).parent / "baseline.json"
+Step = Callable[[], object]
+_SCRATCH: list[Path] = []  # the checkpoint rows' directories, removed at the end
+
+
+@dataclass(frozen=True)
+class Sizes:
+    rows: int = 1 << 17
+    dim: int = 64
+    ids: int = 1 << 15  # a lookup of about a millisecond: the paths, not Python's overhead
+    checkpoint_rows: int = 1 << 17
+    dist_rows: int = 1 << 17
+    dist_batch: int = 1 << 15
+
+    @functools.cached_property
+    def table(self) -> torch.Tensor:
+        return torch.randn(self.rows, self.dim, generator=torch.Generator().manual_seed(0))
+
+    @functools.cached_property
+    def zipf(self) -> torch.Tensor:
+        return zipf_ids(self.ids, self.rows)
+
+
+def _user_shards(s: Sizes, count: int) -> ShardedVariable:
+    parts = shardvar.shard_tensor(s.table, Layout.mod(s.rows, count)).variables
+    return ShardedVariable([p.clone() for p in parts], strategy="mod")
+
+
+def lookup_slab(s: Sizes) -> tuple[Step, Step]:
+    v = shardvar.shard_tensor(s.table, Layout.div(s.rows, 8))
+    return lambda: shardvar.embedding_lookup(v, s.zipf), lambda: F.embedding(s.zipf, s.table)
+
+
+def lookup_user(s: Sizes, count: int) -> tuple[Step, Step]:
+    v = _user_shards(s, count)
+    return lambda: shardvar.embedding_lookup(v, s.zipf), lambda: F.embedding(s.zipf, s.table)
+
+
+def lookup_one_shard(s: Sizes) -> tuple[Step, Step]:
+    v = ShardedVariable([s.table.clone()])
+    return lambda: shardvar.embedding_lookup(v, s.zipf), lambda: F.embedding(s.zipf, s.table)
+
+
+def lookup_list(s: Sizes) -> tuple[Step, Step]:
+    parts = [p.clone() for p in shardvar.shard_tensor(s.table, Layout.mod(s.rows, 8)).variables]
+    return lambda: shardvar.embedding_lookup(parts, s.zipf, "mod"), lambda: F.embedding(s.zipf, s.table)
+
+
+def scatter(s: Sizes) -> tuple[Step, Step]:
+    v, target, updates = _user_shards(s, 8), s.table.clone(), torch.randn(s.ids, s.dim)
+    return lambda: v.scatter_add(s.zipf, updates), lambda: target.index_add_(0, s.zipf, updates)
+
+
+def bag(s: Sizes) -> tuple[Step, Step]:
+    offsets = torch.arange(0, s.ids, 16)
+    plain = nn.EmbeddingBag.from_pretrained(s.table, freeze=False, mode="sum")
+    mine = shardvar.ShardedEmbeddingBag.from_pretrained(s.table, freeze=False, mode="sum", partitioner=8)
+
+    def step(m: nn.Module) -> Step:
+        def go() -> None:
+            m(s.zipf, offsets).sum().backward()
+            for p in m.parameters():
+                p.grad = None
+
+        return go
+
+    return step(mine), step(plain)
+
+
+def _train(module: nn.Module, opt: object, ids: torch.Tensor) -> Step:
+    def go() -> None:
+        module(ids).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return go
+
+
+def train_torch(s: Sizes, sparse: bool) -> tuple[Step, Step]:
+    make = (lambda p: torch.optim.SGD(p, lr=0.01)) if sparse else (lambda p: torch.optim.Adam(p, lr=0.01))
+    plain = nn.Embedding.from_pretrained(s.table.clone(), freeze=False, sparse=sparse)
+    mine = shardvar.ShardedEmbedding.from_pretrained(s.table, freeze=False, partitioner=8, sparse=sparse)
+    return _train(mine, make(list(mine.parameters())), s.zipf), _train(plain, make(list(plain.parameters())), s.zipf)
+
+
+def train_fused(s: Sizes) -> tuple[Step, Step]:
+    ours, theirs = OPTIMIZERS["fused RowWiseAdagrad vs SparseAdam"]
+    mine = shardvar.ShardedEmbedding.from_pretrained(s.table, freeze=False, partitioner=8, sparse=True)
+    plain = nn.Embedding.from_pretrained(s.table.clone(), freeze=False, sparse=True)
+    return _train(mine, ours(mine), s.zipf), _train(plain, theirs(list(plain.parameters())), s.zipf)
+
+
+def checkpoint(s: Sizes, restore: bool) -> tuple[Step, Step]:
+    root = Path(tempfile.mkdtemp(prefix="shardvar-guard-"))
+    _SCRATCH.append(root)
+    table = torch.randn(s.checkpoint_rows, s.dim)
+    v = shardvar.shard_tensor(table, Layout.div(s.checkpoint_rows, 8))
+    target = shardvar.shard_tensor(torch.zeros_like(table), Layout.mod(s.checkpoint_rows, 5))
+    shardvar.save({"t": v}, root / "ck")
+    raw = root / "raw.bin"
+    torch.save(table, raw)
+    if restore:
+        return lambda: shardvar.load({"t": target}, root / "ck"), lambda: torch.load(raw)
+    return lambda: shardvar.save({"t": v}, root / "ck"), lambda: torch.save(table, raw)
+
+
+@functools.cache
+def _distributed_run(s: Sizes, rounds: int) -> dict:
+    return bench_distributed.run(s.dist_rows, s.dim, s.dist_batch, rounds, paths=("dense", "sparse"), profile=False)
+
+
+def distributed(path: str) -> Callable[[Sizes, int, float], list[float]]:
+    """Ratios of 2 ranks' forward+backward (``path``: dense or sparse gradients) to one process's."""
+
+    def ratios(s: Sizes, rounds: int, min_s: float) -> list[float]:
+        stats = _distributed_run(s, max(rounds, 3))
+        return [a / b for a, b in zip(stats[path]["ms"], stats[f"one process, {path}"]["ms"], strict=True)]
+
+    return ratios
+
+
+def timed(make: Callable[[Sizes], tuple[Step, Step]]) -> Callable[[Sizes, int, float], list[float]]:
+    return lambda s, rounds, min_s: ratio(*make(s), rounds, min_s)
+
+
+CASES: list[tuple[str, Callable[[Sizes, int, float], list[float]]]] = [
+    ("lookup, slab (8 div shards) / F.embedding", timed(lookup_slab)),
+    ("lookup, user-allocated (8 mod shards) / F.embedding", timed(lambda s: lookup_user(s, 8))),
+    ("lookup, one shard / F.embedding", timed(lookup_one_shard)),
+    ("lookup, 1024 mod shards / F.embedding", timed(lambda s: lookup_user(s, 1024))),
+    ("lookup, list of 8 tensors / F.embedding", timed(lookup_list)),
+    ("scatter_add (8 mod shards) / index_add_", timed(scatter)),
+    ("bag fwd+bwd, sum (8 shards) / nn.EmbeddingBag", timed(bag)),
+    ("training step, Adam (dense) / nn.Embedding", timed(lambda s: train_torch(s, sparse=False))),
+    ("training step, SGD (sparse) / nn.Embedding", timed(lambda s: train_torch(s, sparse=True))),
+    ("training step, fused shardvar.optim / SparseAdam", timed(train_fused)),
+    ("2 ranks fwd+bwd, dense / one process", distributed("dense")),
+    ("2 ranks fwd+bwd, sparse / one process", distributed("sparse")),
+    ("checkpoint save (8 shards) / torch.save", timed(lambda s: checkpoint(s, restore=False))),
+    ("checkpoint restore (into 5 shards) / torch.load", timed(lambda s: checkpoint(s, restore=True))),
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--update", action="store_true", help="write this run's ratios to baseline.json")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--min-seconds", type=float, default=0.05, help="per timing, per round")
+    parser.add_argument("--only", help="run only the rows whose name contains this")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", "Sparse invariant checks")
+    committed = json.loads(BASELINE.read_text()) if BASELINE.exists() else {"tolerance": 0.25, "ratios": {}}
+    tolerance, sizes, start = committed["tolerance"], Sizes(), time.perf_counter()
+    measured, rows, worse = {}, [], []
+    for name, ratios_of in CASES:
+        if args.only and args.only not in name:
+            continue
+        ratios = ratios_of(sizes, args.rounds, args.min_seconds)
+        measured[name] = statistics.median(ratios)
+        base = committed["ratios"].get(name)
+        flag = "new" if base is None else "ok" if measured[name] <= base * (1 + tolerance) else "WORSE"
+        if flag == "WORSE":
+            worse.append(name)
+        rows.append([name, f"{measured[name]:.2f}x", f"{min(ratios):.2f}-{max(ratios):.2f}",
+                     "-" if base is None else f"{base:.2f}x", flag])  # fmt: skip
+    for root in _SCRATCH:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"{torch.get_num_threads()} threads, {args.rounds} rounds, tolerance {tolerance:.0%}, "
+          f"{time.perf_counter() - start:.0f} s\n")  # fmt: skip
+    print_table(["path (ratio of time to its unsharded baseline)", "median", "range", "baseline", "flag"], rows)
+    if args.update:
+        known = {**committed["ratios"], **measured}  # rows left out with --only keep their ratio
+        ratios = {name: known[name] for name, _ in CASES if name in known}
+        BASELINE.write_text(json.dumps({"tolerance": tolerance, "ratios": ratios}, indent=1) + "\n")
+        print(f"\n{BASELINE} updated")
+        return 0
+    if worse:
+        print(f"\n{len(worse)} ratio(s) worse than baseline.json by more than {tolerance:.0%}: rerun them "
+              "(--only NAME); if it holds, find the cause, or --update deliberately")  # fmt: skip
+    return 1 if worse else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
