@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .._errors import ShardvarTypeError, ShardvarValueError
+from .._pages import empty
 from .._validate import check_bool, check_choice, check_int, check_number
 from ..layout import Layout
 from ..variables import ShardedVariable, ShardStore, functional, to_layout
@@ -25,7 +26,7 @@ def _initial_weight(
     shape: tuple[int, int], weight: torch.Tensor | None, device: Any, dtype: torch.dtype | None
 ) -> torch.Tensor:
     if weight is None:
-        out = torch.empty(shape, device=device, dtype=dtype)
+        out = empty(shape, device=device, dtype=dtype)
         nn.init.normal_(out)  # drawn once for the whole table: values never depend on the layout
         return out
     if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != shape:
@@ -160,7 +161,7 @@ class _ShardedTable(nn.Module):
         return {"weight": self.weight}
 
     def reset_parameters(self) -> None:
-        weight = torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.store.dtype)
+        weight = empty((self.num_embeddings, self.embedding_dim), dtype=self.store.dtype)
         nn.init.normal_(weight)
         if self.padding_idx is not None:
             weight[self.padding_idx].zero_()
