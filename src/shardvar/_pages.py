@@ -25,7 +25,17 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["HUGE_PAGE", "advise", "empty", "empty_like", "huge_pages_mode", "use_huge_pages", "zeros", "zeros_like"]
+__all__ = [
+    "HUGE_PAGE",
+    "advise",
+    "empty",
+    "empty_like",
+    "huge_pages_mode",
+    "torch_advises",
+    "use_huge_pages",
+    "zeros",
+    "zeros_like",
+]
 
 HUGE_PAGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages) transparent huge page size
 SWITCH = "THP_MEM_ALLOC_ENABLE"
@@ -40,6 +50,15 @@ def use_huge_pages() -> bool:
     os.environ.setdefault(SWITCH, "1")
     value = os.environ[SWITCH].strip()
     return value.lstrip("+-").isdigit() and int(value) != 0  # torch reads it with atoi
+
+
+def torch_advises() -> bool:
+    """Whether torch applies its switch in this process (it page-aligns allocations of 2 MiB or more then).
+
+    The first call is torch's first allocation if nothing allocated before: it fixes the setting.
+    """
+    probes = [torch.empty(HUGE_PAGE, dtype=torch.uint8) for _ in range(3)]  # never touched: no memory used
+    return all(p.data_ptr() % mmap.PAGESIZE == 0 for p in probes)
 
 
 @functools.cache

@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from .._pages import use_huge_pages
 from ._bench import add_bench_parser
 from ._checkpoint import add_checkpoint_parsers
 from ._demo import add_demo_parser
@@ -23,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:  # run as the program (console script, python -m shardvar), not called by a library user
+        use_huge_pages()  # before torch's first allocation: importing shardvar allocates nothing
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
