@@ -74,8 +74,8 @@ def _paths(args: argparse.Namespace, only: list[str]) -> dict[str, tuple[float, 
     return results
 
 
-def _demo_seconds(setting: str, quick: bool) -> float:
-    steps = ["--steps", "100", "--users", "5000", "--items", "1000"] if quick else []
+def _demo_seconds(setting: str, quick: bool, steps: int) -> float:
+    steps = ["--steps", "100", "--users", "5000", "--items", "1000"] if quick else ["--steps", str(steps)]
     cmd = [sys.executable, "-m", "shardvar", "demo", "--no-progress", *steps]
     start = time.perf_counter()
     subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, SWITCH: SETTINGS[setting]})
@@ -151,6 +151,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="small sizes, 1 round (a smoke test)")
     p.add_argument("--only", action="append", choices=["goal", "paths", "train", "checkpoint", "demo"])
+    p.add_argument("--demo-steps", type=int, default=300, help="training steps of the timed demo")
     p.add_argument("--tensorflow", metavar="PYTHON", help="a Python with tensorflow: also time TF's lookups")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -175,7 +176,7 @@ def main() -> None:
                 subprocess.run(cmd, check=True, env={**os.environ, SWITCH: value})
                 runs[s].append(json.loads(out.read_text()))
                 if "demo" in args.only:
-                    demo[s].append(_demo_seconds(s, args.quick))
+                    demo[s].append(_demo_seconds(s, args.quick, args.demo_steps))
             if args.tensorflow:
                 tf.append(_tensorflow(args.tensorflow, args))
     print(f"{torch.get_num_threads()} threads; THP {huge_pages_mode()}; {rounds} round(s), settings interleaved\n")

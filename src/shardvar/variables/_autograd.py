@@ -79,7 +79,7 @@ def scatter_grads(store: ShardStore, ids: torch.Tensor, grad: torch.Tensor, spar
             grads.update(store.split_sparse_grad(g, rows, part))
         else:
             dense = zeros((info.rows, store.width), dtype=store.dtype, device=info.device)
-            grads.update(store.split_grad(g, dense.index_add(0, rows, part)))
+            grads.update(store.split_grad(g, dense.index_add_(0, rows, part)))
     # A shard this lookup did not touch still gets a (zero) gradient, as its rows would in an
     # unsharded table: optimizers then step every shard exactly as they step the table.
     missing = {s: t for s, t in store.zero_grads(sparse).items() if s not in grads}
