@@ -32,6 +32,7 @@ from shardvar.cli.dlrm import Checkpoints, build, explain, tables, train
 
 
 def main() -> None:
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # huge pages for large tensors, before the first one
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch", type=int, default=256, help="global batch, split over the ranks")

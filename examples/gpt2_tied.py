@@ -14,6 +14,7 @@ from a config: nothing is downloaded).
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 from pathlib import Path
 
@@ -44,6 +45,7 @@ def train(model: GPT2LMHeadModel, steps: int) -> tuple[float, float]:
 
 
 def main() -> None:
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # huge pages for large tensors, before the first one
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--shards", type=int, default=4)

@@ -58,6 +58,7 @@ class RecModel(nn.Module):
 
 
 def main() -> None:
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # huge pages for large tensors, before the first one
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--users", type=int, default=20000)
     p.add_argument("--items", type=int, default=5000)

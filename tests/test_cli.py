@@ -240,6 +240,8 @@ def test_bench_writes_ratios(tmp_path) -> None:
         "1",
         "--repeats",
         "2",
+        "--huge-pages",
+        "on",  # one setting: both (the default) are tested in test_hugepages.py
         "--json",
         str(path),
     )

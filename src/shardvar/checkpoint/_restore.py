@@ -19,6 +19,7 @@ from typing import BinaryIO
 
 import torch
 
+from .._pages import empty
 from ..layout import Layout, intersect_progressions
 from ._files import open_regular
 from ._manifest import CheckpointError, Piece, VariableEntry
@@ -47,7 +48,7 @@ class Files:
         for d in shape:
             nbytes *= d
         if self._scratch.numel() < nbytes:
-            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+            self._scratch = empty(nbytes, dtype=torch.uint8)
         return self._scratch[:nbytes].view(dtype).reshape(shape)
 
     def get(self, name: str, variable: str) -> BinaryIO:
@@ -343,8 +344,8 @@ def _restore(
 
 def _new(entry: VariableEntry, target: Layout | None, shard: int) -> torch.Tensor:
     if entry.layout is None:
-        return torch.empty(entry.shape, dtype=entry.dtype)
-    return torch.empty((target or whole_layout(entry)).shard_shape(entry.shape, shard), dtype=entry.dtype)
+        return empty(entry.shape, dtype=entry.dtype)
+    return empty((target or whole_layout(entry)).shard_shape(entry.shape, shard), dtype=entry.dtype)
 
 
 def restore_shards(

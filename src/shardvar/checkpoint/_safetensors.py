@@ -23,6 +23,8 @@ from typing import BinaryIO
 import torch
 import xxhash
 
+from .._pages import empty
+
 __all__ = ["CHECKSUMS", "CHECKSUM", "DTYPE_CODES", "CHUNK_BYTES", "FileWriter", "StoredTensor", "read_chunks"]
 
 CHUNK_BYTES = 4 << 20  # checksum granularity: partial reads verify exactly the chunks they touch
@@ -177,7 +179,7 @@ def read_chunks(
     nbytes = (stop_row - start_row) * row_bytes
     shape = (stop_row - start_row, *stored.shape[1:]) if stored.shape else ()
     if out is None:
-        out = torch.empty(shape, dtype=stored.dtype)
+        out = empty(shape, dtype=stored.dtype)
     if nbytes == 0:
         view = memoryview(b"")
     else:

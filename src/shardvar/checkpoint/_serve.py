@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError
+from .._pages import empty
 from .._validate import check_bool
 from ..layout import as_ids, check_ids
 from ._chain import Chain, RowChanges, checkpoint_directory
@@ -95,7 +96,7 @@ class ServedTable:
         ids = as_ids(ids)
         check_ids(ids, layout.num_rows)
         flat = ids.reshape(-1)
-        out = torch.empty(flat.numel(), *self.entry.shape[1:], dtype=self.entry.dtype)
+        out = empty((flat.numel(), *self.entry.shape[1:]), dtype=self.entry.dtype)
         for k, pos, rows in layout.split_ids(flat):
             self._verify(k, rows)
             out.index_copy_(0, pos, self._piece(k).index_select(0, rows))

@@ -29,6 +29,7 @@ from ..checkpoint import load, save
 from ..layout import Layout
 from ..nn import ShardedEmbedding
 from ..variables import embedding_lookup, shard_tensor
+from ._bench_pages import SETTINGS, run_both_settings, use_setting
 from ._console import print_table, step_progress
 
 __all__ = ["add_bench_parser", "compare", "time_ms", "zipf_ids"]
@@ -217,6 +218,9 @@ def bench_distributed(args: argparse.Namespace) -> list[dict]:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.huge_pages == "both":
+        return run_both_settings(args, _chart)
+    use_setting(args.huge_pages)
     suites = {
         "lookup": bench_lookup_and_scatter,
         "train": bench_training_step,
@@ -290,4 +294,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", default="bench-results.json", help="where to write the results")
     p.add_argument("--png", help="also draw the ratios to this PNG (needs matplotlib)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument(
+        "--huge-pages",
+        choices=["both", *SETTINGS],
+        default="both",
+        help="torch's THP_MEM_ALLOC_ENABLE off, on, or both",
+    )
     p.set_defaults(func=run_bench)

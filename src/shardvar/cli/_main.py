@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from .. import __version__
+from .._pages import use_huge_pages
 from ._bench import add_bench_parser
 from ._checkpoint import add_checkpoint_parsers
 from ._demo import add_demo_parser
@@ -25,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:  # run as the program (console script, python -m shardvar), not called by a library user
+        use_huge_pages()  # before torch's first allocation: importing shardvar allocates nothing
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._errors import ShardvarValueError
+from .._pages import empty, empty_like
 from ..dynamic import DynamicEmbedding
 from ..dynamic._hash import as_keys, shard_of
 from ..dynamic._optim import _state_views
@@ -39,16 +40,16 @@ def route(
     got = torch.empty_like(sent)
     comm.all_to_all(got, sent, [1] * comm.world, [1] * comm.world, f"{what} counts")
     sent_list, got_list = sent.tolist(), got.tolist()
-    out = payload.new_empty((sum(got_list), *payload.shape[1:]))
+    out = empty((sum(got_list), *payload.shape[1:]), dtype=payload.dtype, device=payload.device)
     comm.all_to_all(out, payload.index_select(0, order).contiguous(), got_list, sent_list, what)
     return out, sent_list, got_list, order
 
 
 def answer(comm: Comm, values: torch.Tensor, sent: list, got: list, order: torch.Tensor) -> torch.Tensor:
     """Send ``values`` (one per row received by :func:`route`) back; returns them in the caller's order."""
-    back = values.new_empty((sum(sent), *values.shape[1:]))
+    back = empty((sum(sent), *values.shape[1:]), dtype=values.dtype, device=values.device)
     comm.all_to_all(back, values.contiguous(), sent, got, "answers")
-    out = torch.empty_like(back)
+    out = empty_like(back)
     out[order] = back
     return out
 

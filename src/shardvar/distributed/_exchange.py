@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .._errors import ShardvarIndexError
+from .._pages import empty, empty_like
 from ..variables import ShardStore, functional
 from ._comm import Comm
 
@@ -105,9 +106,9 @@ class _ExchangeRows(torch.autograd.Function):
         width = store.width
         if local is None:
             local = torch.empty(0, width, dtype=store.dtype, device=ids.device)
-        back = torch.empty(sum(send_list), width, dtype=store.dtype, device=ids.device)
+        back = empty((sum(send_list), width), dtype=store.dtype, device=ids.device)
         ex.comm.all_to_all(back, local.contiguous(), send_list, recv_list, "rows")
-        rows = torch.empty_like(back).index_copy_(0, order, back)
+        rows = empty_like(back).index_copy_(0, order, back)
         return rows, order, recv_ids, torch.tensor(send_list), torch.tensor(recv_list)
 
     @staticmethod

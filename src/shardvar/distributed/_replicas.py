@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .._pages import zeros
 from ..layout import Layout
 from ..nn import TableConfig
 from ..nn._collection import pack
@@ -48,7 +49,7 @@ class _SummedGrad(torch.autograd.Function):
             comm.all_reduce(summed, dist.ReduceOp.SUM, "replicated tables' gradient")
             return summed, None
         rows, width = grad.shape
-        packed = torch.zeros(rows, width + 1, dtype=grad.dtype, device=grad.device)
+        packed = zeros((rows, width + 1), dtype=grad.dtype, device=grad.device)
         packed.index_add_(0, grad._indices()[0], torch.cat([grad._values(), torch.ones_like(grad._values()[:, :1])], 1))
         comm.all_reduce(packed, dist.ReduceOp.SUM, "replicated tables' gradient")
         touched = packed[:, width].nonzero().squeeze(1)

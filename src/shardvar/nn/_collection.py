@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._errors import ShardvarTypeError, ShardvarValueError
+from .._pages import empty
 from .._validate import check_choice, check_int
 from ..layout import Layout, as_ids, check_ids
 from ..variables import ShardedVariable
@@ -179,7 +180,7 @@ def batch_tables(bags: Mapping[str, Table]) -> list[tuple[list[str], ShardedVari
         if any(p.device != device for p in shards):
             groups += [([n], None) for n in names]  # tables on several devices: one by one
             continue
-        slab = torch.empty(sum(p.shape[0] for p in shards), dim, dtype=dtype, device=device)
+        slab = empty((sum(p.shape[0] for p in shards), dim), dtype=dtype, device=device)
         start = 0
         with torch.no_grad():
             for p in shards:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .._errors import ShardvarValueError
+from .._pages import empty
 from .._validate import check_bool, check_choice, check_device, check_int, check_number
 from ..layout import Layout
 from ..variables import ShardStore, functional, to_layout
@@ -26,7 +27,7 @@ def _initial_weight(
 ) -> torch.Tensor:
     device = None if device is None else check_device(device)  # a bad device: shardvar's error, not torch's
     if weight is None:
-        out = torch.empty(shape, device=device, dtype=dtype)
+        out = empty(shape, device=device, dtype=dtype)
         nn.init.normal_(out)  # drawn once for the whole table: values never depend on the layout
         return out
     if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != shape:
@@ -96,7 +97,7 @@ class _ShardedTable(ShardedWeight):
             self.weight[self.padding_idx] = 0
 
     def reset_parameters(self) -> None:
-        weight = torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.store.dtype)
+        weight = empty((self.num_embeddings, self.embedding_dim), dtype=self.store.dtype)
         nn.init.normal_(weight)
         if self.padding_idx is not None:
             weight[self.padding_idx].zero_()

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from .._errors import ShardvarError, ShardvarIndexError, ShardvarValueError
+from .._pages import zeros, zeros_like
 from .._validate import check_number
 from ..variables import ShardsView
 from ._tables import Table, find_tables
@@ -37,7 +38,7 @@ def _summed(rows: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, tor
     if rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all()):
         return rows, values  # one row each already (a collection's gradient is summed per row): nothing to add
     unique, inverse = torch.unique(rows, return_inverse=True)
-    out = torch.zeros(unique.numel(), values.shape[1], dtype=values.dtype, device=values.device)
+    out = zeros((unique.numel(), values.shape[1]), dtype=values.dtype, device=values.device)
     return unique, out.index_add_(0, inverse, values)
 
 
@@ -60,7 +61,7 @@ def _slab_grad(table: Table, g: int, summed: bool = True) -> tuple[torch.Tensor 
         ]
         rows, values = torch.cat([r for r, _ in found]), torch.cat([v for _, v in found])
         return (rows, values) if not summed else _summed(rows, values)
-    dense = torch.zeros_like(store.group_rows(g))
+    dense = zeros_like(store.group_rows(g))
     for view, x in zip(store.split_grad(g, dense).values(), grads, strict=True):
         if x is not None:
             view.copy_(x)

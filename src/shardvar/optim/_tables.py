@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .._errors import ShardvarTypeError, ShardvarValueError
+from .._pages import empty
 from ..nn import sharded_parameters
 from ..variables import ShardedVariable, ShardsView
 from ..variables._store import ShardStore
@@ -50,7 +51,7 @@ class Table:
         for g, group in enumerate(self.store.groups):
             rows = self.store.group_rows(g)
             shape = (group.rows,) if row_wise else tuple(rows.shape)
-            tensors.append(torch.full(shape, fill, dtype=rows.dtype, device=rows.device))
+            tensors.append(empty(shape, dtype=rows.dtype, device=rows.device).fill_(fill))
         self.state[slot] = tensors
 
     def slot_variable(self, slot: str) -> ShardsView:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .._pages import empty, zeros
 from ..layout import group_positions
 from ._store import ShardStore
 
@@ -56,7 +57,7 @@ def gather_local(store: ShardStore, ids: torch.Tensor, out_device: torch.device)
     if len(store.groups) == 1:
         source = store.group_rows(0)
         return source.index_select(0, row.to(source.device)).to(out_device)
-    out = torch.empty(ids.numel(), store.width, dtype=store.dtype, device=out_device)
+    out = empty((ids.numel(), store.width), dtype=store.dtype, device=out_device)
     for g, pos in group_positions(group, len(store.groups)):
         source = store.group_rows(g)
         rows = source.index_select(0, row.index_select(0, pos).to(source.device))
@@ -78,7 +79,7 @@ def scatter_grads(store: ShardStore, ids: torch.Tensor, grad: torch.Tensor, spar
             grads.update(store.split_sparse_grad(g, rows, part))
         else:
             # The one table-sized buffer, accumulated in place: it becomes the shards' .grad.
-            dense = torch.zeros(info.rows, store.width, dtype=store.dtype, device=info.device)
+            dense = zeros((info.rows, store.width), dtype=store.dtype, device=info.device)
             grads.update(store.split_grad(g, dense.index_add_(0, rows, part)))
     # A shard this lookup did not touch still gets a (zero) gradient, as its rows would in an
     # unsharded table: optimizers then step every shard exactly as they step the table.

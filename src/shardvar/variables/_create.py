@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .._errors import ShardvarTypeError, ShardvarValueError
+from .._pages import empty
 from .._validate import check_bool
 from ..layout import Layout
 from ..partitioners import PartitionerConfig, check_shape
@@ -118,10 +119,10 @@ def initial_value(initializer: Initializer, shape: tuple[int, ...], dtype: torch
         return initializer.detach() if dtype is None else initializer.detach().to(dtype)
     dtype = dtype or torch.float32
     if isinstance(initializer, (int, float)) and not isinstance(initializer, bool):
-        return torch.full(shape, initializer, dtype=dtype)
+        return empty(shape, dtype=dtype).fill_(initializer)
     if callable(initializer):
         if _fills_in_place(initializer):
-            out = torch.empty(shape, dtype=dtype)
+            out = empty(shape, dtype=dtype)
             with torch.no_grad():
                 result = initializer(out)
             return _as_initial(out if result is None else result, shape, dtype, "initializer")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .._errors import ShardvarValueError
+from .._pages import empty
 from .._validate import check_choice, check_int, check_number
 
 __all__ = ["RowInitializer"]
@@ -47,7 +48,7 @@ class RowInitializer:
 
     def _block(self, block: int, row_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + block) % (2**63))
-        out = torch.empty((self.block_rows, *row_shape), dtype=torch.float32)
+        out = empty((self.block_rows, *row_shape), dtype=torch.float32)
         if self.kind == "normal":
             out.normal_(self.mean, self.std, generator=g)
         else:
@@ -57,7 +58,7 @@ class RowInitializer:
     def rows(self, ids: torch.Tensor, row_shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Values of logical rows ``ids`` (any order): shape ``[len(ids), *row_shape]``."""
         ids = ids.reshape(-1).to(torch.int64).cpu()
-        out = torch.empty((ids.numel(), *row_shape), dtype=dtype)
+        out = empty((ids.numel(), *row_shape), dtype=dtype)
         blocks = ids // self.block_rows
         order = torch.argsort(blocks, stable=True)
         unique, counts = torch.unique_consecutive(blocks[order], return_counts=True)

@@ -6,12 +6,14 @@ when to call them.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 
 import torch
 
 from .._errors import ShardvarValueError
+from .._pages import empty
 from ..layout import intersect_progressions
 
 __all__ = ["Slab", "as_slab", "adopt", "check_disjoint", "storage_ptr", "where"]
@@ -32,9 +34,12 @@ def _use_count(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
-_PROBE = torch.empty(1)
-_BASE_USE = _use_count(_PROBE)  # the count of a tensor that nothing else shares memory with
-del _PROBE
+@functools.cache
+def _base_use() -> int:
+    # The count of a tensor that nothing else shares memory with. Measured on first use, not at
+    # import: importing shardvar allocates nothing, so a program can still set torch's huge-page
+    # switch (read at torch's first allocation) after it.
+    return _use_count(torch.empty(1))
 
 
 def storage_ptr(t: torch.Tensor) -> int | None:
@@ -101,7 +106,7 @@ def _adoptable(t: torch.Tensor) -> bool:
         and t.layout == torch.strided
         and t.device.type != "meta"
         and storage_ptr(t) is not None
-        and _use_count(t) == _BASE_USE
+        and _use_count(t) == _base_use()
     )
 
 
@@ -111,7 +116,7 @@ def adopt(shards: list[torch.Tensor], interleaved: bool) -> bool:
     if len({id(s) for s in shards}) != len(shards) or not all(_adoptable(s) for s in shards):
         return False
     first, n = shards[0], len(shards)
-    slab = torch.empty((sum(s.shape[0] for s in shards), *first.shape[1:]), dtype=first.dtype, device=first.device)
+    slab = empty((sum(s.shape[0] for s in shards), *first.shape[1:]), dtype=first.dtype, device=first.device)
     pieces = [slab[k::n] for k in range(n)] if interleaved else list(slab.split([s.shape[0] for s in shards]))
     with torch.no_grad():
         for s, piece in zip(shards, pieces, strict=True):

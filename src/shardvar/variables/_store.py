@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .._errors import ShardvarDTypeError, ShardvarValueError
+from .._pages import empty, zeros_like
 from .._validate import check_devices
 from ..layout import Layout
 from ._memory import adopt, as_slab, check_disjoint, where
@@ -266,7 +267,7 @@ class ShardStore:
                 s: _sparse(torch.empty(0, dtype=torch.int64, device=t.device), t.new_empty(0, self.width), t.shape[0])
                 for s, t in shards.items()
             }
-        return {s: torch.zeros_like(t) for s, t in shards.items()}
+        return {s: zeros_like(t) for s, t in shards.items()}
 
     def __repr__(self) -> str:
         slabs = sum(g.slab is not None for g in self.groups)
@@ -307,9 +308,9 @@ def _empty_shards(
     # ``add_``, used by every sparse optimizer, fails on strided leaf parameters). Along another
     # axis a slab would buy nothing (rows are not contiguous), so each shard is its own tensor.
     if layout.axis != 0:
-        return [torch.empty(layout.shard_shape(shape, s), dtype=dtype, device=device) for s in members]
+        return [empty(layout.shard_shape(shape, s), dtype=dtype, device=device) for s in members]
     rows = [layout.sizes[s] for s in members]
-    slab = torch.empty((sum(rows), *shape[1:]), dtype=dtype, device=device)
+    slab = empty((sum(rows), *shape[1:]), dtype=dtype, device=device)
     return list(slab.split(rows)) if members else []
 
 

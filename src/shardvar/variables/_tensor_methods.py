@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .._errors import ShardvarTypeError, ShardvarValueError
+from .._pages import zeros_like
 from .._validate import check_device, check_has_values
 from ._torch_function import inplace, torch_function
 from ._update import check_writable
@@ -179,7 +180,7 @@ class TensorMethods:
                     index.append(store.layout.global_ids(torch.full_like(g.indices()[0], s), g.indices()[0]))
                     values.append(g.values())
             return torch.sparse_coo_tensor(torch.cat(index).unsqueeze(0), torch.cat(values), tuple(store.shape))
-        parts = [g if g is not None else torch.zeros_like(store.local_shards()[s]) for s, g in grads.items()]
+        parts = [g if g is not None else zeros_like(store.local_shards()[s]) for s, g in grads.items()]
         return store.layout.join(parts)
 
     # -- sizes and iteration, as for a tensor ----------------------------------------------------

@@ -1,0 +1,189 @@
+"""Every path under both huge-page settings: torch's THP_MEM_ALLOC_ENABLE off and on.
+
+    python benchmarks/bench_hugepages.py [--rounds 3] [--quick] [--only goal|paths|train|checkpoint|demo]
+
+torch reads its switch once per process, so every round runs one child process per setting,
+off then on, interleaved round by round. Each child times every sharded path and its unsharded
+baseline alternately (``benchmarks/bench_paths.py``'s paths, the lookup of issue 28's goal,
+checkpoint save and restore); the demo is timed whole, as a program. The table gives, per
+setting, the median over the rounds and the range (min-max): ratios against the unsharded op
+under the same setting, and milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils import benchmark
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import print_table, zipf_ids
+
+from shardvar._pages import huge_pages_mode
+
+SWITCH = "THP_MEM_ALLOC_ENABLE"
+SETTINGS = {"off": "0", "on": "1"}
+GOAL = "lookup 2^20 x 64, 2^20 ids: ShardedEmbedding (8 div)"
+
+
+def _timed(fn, baseline, min_s: float, out: list) -> list[float]:
+    """bench_paths' ratio for one round, keeping both times (seconds) in ``out``."""
+    base = benchmark.Timer("f()", globals={"f": baseline}).blocked_autorange(min_run_time=min_s).median
+    mine = benchmark.Timer("f()", globals={"f": fn}).blocked_autorange(min_run_time=min_s).median
+    out.append((mine, base))
+    return [mine / base]
+
+
+def _paths(args: argparse.Namespace, only: list[str]) -> dict[str, tuple[float, float]]:
+    import bench_paths
+
+    from shardvar.cli._bench import bench_checkpoint
+
+    times: list = []
+    r = lambda fn, base: _timed(fn, base, args.min_s, times)  # noqa: E731
+    results: dict[str, tuple[float, float]] = {}
+    if "goal" in only:
+        import shardvar
+
+        table, ids = torch.randn(args.rows, args.dim), zipf_ids(args.ids, args.rows)
+        emb = shardvar.ShardedEmbedding.from_pretrained(table, partitioner=8)
+        with torch.no_grad():
+            r(lambda: emb(ids), lambda: F.embedding(ids, table))
+        results[GOAL] = times.pop()
+    groups = {"paths": [bench_paths.lookup_rows, bench_paths.bag_rows], "train": [bench_paths.train_rows]}
+    for name, fns in groups.items():
+        if name in only:
+            for fn in fns:
+                rows = fn(args, r)
+                results.update({row[0]: t for row, t in zip(rows, times, strict=True)})
+                times.clear()
+    if "checkpoint" in only:
+        ck = argparse.Namespace(checkpoint_mib=args.checkpoint_mib, dim=args.dim, shards=8, repeats=4)
+        results.update({x["benchmark"]: (x["sharded_ms"] / 1e3, x["baseline_ms"] / 1e3) for x in bench_checkpoint(ck)})
+    return results
+
+
+def _demo_seconds(setting: str, quick: bool, steps: int) -> float:
+    steps = ["--steps", "100", "--users", "5000", "--items", "1000"] if quick else ["--steps", str(steps)]
+    cmd = [sys.executable, "-m", "shardvar", "demo", "--no-progress", *steps]
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, SWITCH: SETTINGS[setting]})
+    return time.perf_counter() - start
+
+
+TF = """
+import json, sys, time
+import numpy as np, tensorflow as tf
+rows, dim, n = map(int, sys.argv[1:4])
+rng = np.random.default_rng(0)
+p = np.arange(1, rows + 1, dtype=np.float64) ** -1.05
+ids = tf.constant(rng.permutation(rows)[rng.choice(rows, n, p=p / p.sum())])  # Zipf(1.05), as zipf_ids
+table = tf.Variable(tf.random.normal([rows, dim]))
+shards = [tf.Variable(tf.random.normal([rows // 8 + (k < rows % 8), dim])) for k in range(8)]
+def ms(f):
+    f()
+    times = []
+    for _ in range(7):
+        start = time.perf_counter(); f().numpy(); times.append(time.perf_counter() - start)
+    return sorted(times)[3] * 1e3
+unsharded = tf.function(lambda: tf.gather(table, ids))
+sharded = tf.function(lambda: tf.nn.embedding_lookup(shards, ids))  # div strategy
+print(json.dumps({"tf unsharded": ms(unsharded), "tf sharded (8 div)": ms(sharded)}))
+"""
+
+
+def _tensorflow(python: str, args: argparse.Namespace) -> dict[str, float]:
+    cmd = [python, "-c", TF, str(args.rows), str(args.dim), str(args.ids)]
+    out = subprocess.run(
+        cmd, check=True, capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _child(args: argparse.Namespace) -> None:
+    warnings.filterwarnings("ignore", "Sparse invariant checks")
+    torch.manual_seed(0)
+    Path(args.child).write_text(json.dumps(_paths(args, args.only)))
+
+
+def _cell(values: list[float], fmt: str) -> str:
+    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
+
+
+def _report(runs: dict[str, list[dict]], demo: dict[str, list[float]], tf: list[dict]) -> None:
+    rows = []
+    for name in runs["off"][0]:
+        cells = [name]
+        for s in SETTINGS:
+            mine, base = ([r[name][k] * 1e3 for r in runs[s]] for k in (0, 1))
+            cells += [
+                _cell([m / b for m, b in zip(mine, base, strict=True)], ".2f"),
+                _cell(mine, ".0f"),
+                _cell(base, ".0f"),
+            ]
+        rows.append(cells)
+    print_table(["path", "off: ratio", "off: ms", "off: base ms", "on: ratio", "on: ms", "on: base ms"], rows)
+    if GOAL in runs["off"][0]:
+        base_off = statistics.median(r[GOAL][1] for r in runs["off"])
+        for s in SETTINGS:
+            mine = statistics.median(r[GOAL][0] for r in runs[s])
+            print(f"\ngoal: shardvar lookup, switch {s}, / F.embedding, switch off = {mine / base_off:.2f}x (<= 0.4x)")
+            for name in tf[0] if tf else []:
+                theirs = statistics.median(t[name] for t in tf) / 1e3
+                print(f"goal: shardvar lookup, switch {s}, / {name} = {mine / theirs:.2f}x (<= 0.5x unsharded)")
+    for s, seconds in demo.items():
+        print(f"shardvar demo (whole program), switch {s}: {_cell(seconds, '.1f')} s")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="small sizes, 1 round (a smoke test)")
+    p.add_argument("--only", action="append", choices=["goal", "paths", "train", "checkpoint", "demo"])
+    p.add_argument("--demo-steps", type=int, default=300, help="training steps of the timed demo")
+    p.add_argument("--tensorflow", metavar="PYTHON", help="a Python with tensorflow: also time TF's lookups")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.only = args.only or ["goal", "paths", "train", "checkpoint", "demo"]
+    big = not args.quick
+    args.rows, args.dim, args.ids = (1 << 20, 64, 1 << 20) if big else (1 << 12, 16, 1 << 12)
+    args.bag_rows, args.bag_ids, args.bags = (1 << 20, 1 << 18, 1 << 14) if big else (1 << 12, 1 << 11, 1 << 7)
+    args.train_ids, args.min_s, args.checkpoint_mib = (1 << 16, 0.2, 256.0) if big else (1 << 10, 0.01, 1.0)
+    if args.child:
+        _child(args)
+        return
+    rounds = args.rounds if big else 1
+    runs: dict[str, list[dict]] = {s: [] for s in SETTINGS}
+    demo: dict[str, list[float]] = {s: [] for s in SETTINGS}
+    tf: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(rounds):
+            for s, value in SETTINGS.items():
+                out = Path(tmp) / f"{s}.json"
+                cmd = [sys.executable, __file__, "--child", str(out), *(["--quick"] if args.quick else [])]
+                cmd += [x for o in args.only for x in ("--only", o)]
+                subprocess.run(cmd, check=True, env={**os.environ, SWITCH: value})
+                runs[s].append(json.loads(out.read_text()))
+                if "demo" in args.only:
+                    demo[s].append(_demo_seconds(s, args.quick, args.demo_steps))
+            if args.tensorflow:
+                tf.append(_tensorflow(args.tensorflow, args))
+    print(f"{torch.get_num_threads()} threads; THP {huge_pages_mode()}; {rounds} round(s), settings interleaved\n")
+    if tf:
+        print("TensorFlow (ms): " + ", ".join(f"{k} {_cell([t[k] for t in tf], '.0f')}" for k in tf[0]))
+    _report(runs, {s: d for s, d in demo.items() if d}, tf)
+
+
+if __name__ == "__main__":
+    main()
