@@ -31,8 +31,15 @@ def _values(shape: tuple[int, ...], seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
-def _init(seed: int) -> tf.compat.v1.keras.initializers.Initializer:
-    return tf.compat.v1.random_normal_initializer(seed=seed)
+def _init(seed: int, shape: tuple[int, int]) -> object:
+    """Each partition gets its own slice of one array, so every row of a variable differs."""
+    full = _values(shape, seed)
+
+    def initializer(shape: list[int], dtype: object = None, partition_info: object = None) -> tf.Tensor:
+        offset = partition_info.var_offset if partition_info is not None else [0] * len(shape)
+        return tf.constant(full[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+
+    return initializer
 
 
 def _expected(directory: Path) -> None:
@@ -51,17 +58,17 @@ def saver_v1(directory: Path) -> None:
         step = tf.compat.v1.train.get_or_create_global_step()
         with tf.device("/cpu:0"):
             emb = tf.compat.v1.get_variable(
-                "emb", [10, 4], initializer=_init(1), partitioner=tf.compat.v1.fixed_size_partitioner(3)
+                "emb", [10, 4], initializer=_init(1, (10, 4)), partitioner=tf.compat.v1.fixed_size_partitioner(3)
             )
         with tf.device("/cpu:1"):
             big = tf.compat.v1.get_variable(
                 "big",
                 [13, 3],
-                initializer=_init(2),
+                initializer=_init(2, (13, 3)),
                 partitioner=tf.compat.v1.min_max_variable_partitioner(max_partitions=4, min_slice_size=32),
             )
             cols = tf.compat.v1.get_variable(
-                "cols", [5, 6], initializer=_init(3), partitioner=tf.compat.v1.fixed_size_partitioner(2, axis=1)
+                "cols", [5, 6], initializer=_init(3, (5, 6)), partitioner=tf.compat.v1.fixed_size_partitioner(2, axis=1)
             )
         with tf.device("/cpu:2"):
             counts = tf.compat.v1.get_variable("counts", initializer=np.array([3, -7, 1 << 40], np.int64))
