@@ -89,7 +89,7 @@ def write_bundle(prefix: Path, tensors: dict[str, np.ndarray], row_slices: dict[
                 full.shape.dim.add(size=n)
             start = 0
             for rows in row_slices[name]:
-                extents = [(start, rows)] + [(0, -1)] * (array.ndim - 1)
+                extents = [(start, rows)] + [(0, n) for n in array.shape[1:]]  # as the Saver writes: lengths explicit
                 s = full.slices.add()
                 for a, n in extents:
                     e = s.extent.add(start=a)

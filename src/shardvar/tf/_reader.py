@@ -20,7 +20,7 @@ import torch
 
 from .._errors import CheckpointError
 from ._bundle import DTYPES, STRING, Bundle, dtype_name, slice_key
-from ._graph import GRAPH_KEY, VALUE_SUFFIX, ObjectGraph, Slot, saver_slots
+from ._graph import GRAPH_KEY, VALUE_SUFFIX, ObjectGraph, Slot, saver_slots, short_name
 from ._proto import BundleEntryProto
 
 __all__ = ["TFCheckpoint", "TFVariable", "Piece", "resolve_prefix"]
@@ -125,7 +125,8 @@ class TFCheckpoint:
         key = self.graph.short_names.get(name) if self.graph is not None else None
         key = key or (name + VALUE_SUFFIX if name + VALUE_SUFFIX in self.variables else None)
         if key is None or key not in self.variables:
-            close = difflib.get_close_matches(name, list(self.variables), n=3)
+            names = {short_name(k) for k in self.variables}
+            close = difflib.get_close_matches(name, sorted(names), n=3)
             raise CheckpointError(f"{self.prefix} has no variable {name!r}" + (f"; close: {close}" if close else ""))
         return self.variables[key]
 
