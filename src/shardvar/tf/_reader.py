@@ -180,23 +180,23 @@ class TFCheckpoint:
         begin = a if p.key in self._verified else min(a, checked // row_bytes)  # re-read skipped rows for the crc
         whole = step == 1 and tuple(p.lengths[1:]) == tuple(out.shape[1:])
         per_chunk = max(1, CHUNK_BYTES // row_bytes)
-        r = begin
-        while r < b:
+        scratch = None  # one read buffer for the whole piece: a new one per chunk would double the peak
+        for r in range(begin, b, per_chunk):
             end = min(b, r + per_chunk)
-            if whole and r >= a:  # straight into the result: no buffer, no copy
+            direct = whole and r >= a  # straight into the result: no buffer, no copy
+            if direct:
                 buffer = out[r - a : end - a]
             else:
-                buffer = torch.empty((end - r, *p.lengths[1:]), dtype=out.dtype)
+                if scratch is None:
+                    scratch = torch.empty((min(per_chunk, b - begin), *p.lengths[1:]), dtype=out.dtype)
+                buffer = scratch[: end - r]
             raw = buffer.reshape(-1).view(torch.uint8).numpy()
             self.bundle.read_into(p.entry, r * row_bytes, memoryview(raw))
             self._feed(p, r * row_bytes, raw)
-            if buffer.data_ptr() != out.data_ptr() + (r - a) * row_bytes or not whole or r < a:
-                first = a + -(-max(r - a, 0) // step) * step  # the first wanted row at or after r
-                if first < end:
-                    out[(first - a) // step : (first - a) // step + len(range(first, end, step))][(slice(None), *cols)] = (
-                        buffer[first - r :: step]
-                    )
-            r = end
+            first = a + -(-max(r - a, 0) // step) * step  # the first wanted row at or after r
+            if not direct and first < end:
+                at = (first - a) // step
+                out[at : at + len(range(first, end, step))][(slice(None), *cols)] = buffer[first - r :: step]
 
     def _feed(self, p: Piece, offset: int, raw: object) -> None:
         if p.key in self._verified:
