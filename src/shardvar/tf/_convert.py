@@ -2,7 +2,7 @@
 
 Every target shard is read from the TensorFlow data files straight into its tensor, handed to
 the checkpoint writer and dropped before the next is read: memory stays at the largest target
-shard plus one 16 MiB read buffer, never a whole table. A ``mod`` target shard gathers every
+shard plus one 8 MiB read buffer, never a whole table. A ``mod`` target shard gathers every
 n-th row, so each of a table's n shards streams over the table (the page cache serves the
 repeats). Everything is checked before ``out`` is touched; a checksum that fails while writing
 removes what was written, and a directory the conversion created, like a failed ``save``.

@@ -25,7 +25,7 @@ from ._proto import BundleEntryProto
 
 __all__ = ["TFCheckpoint", "TFVariable", "Piece", "resolve_prefix"]
 
-CHUNK_BYTES = 16 << 20  # the largest read buffer: what a strided or partial-width read holds at once
+CHUNK_BYTES = 8 << 20  # the largest read buffer: what a strided or partial-width read holds at once
 
 
 @dataclass(frozen=True)
