@@ -7,13 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tf_bundle import write_bundle
 
 import shardvar
 from shardvar import CheckpointError, EmbeddingBagCollection, ShardedEmbedding
 from shardvar.checkpoint import Manifest
 from shardvar.nn import TableConfig
 from shardvar.tf import convert
+from tf_bundle import write_bundle
 
 DATA = Path(__file__).parent / "data" / "tf"
 
@@ -56,7 +56,9 @@ def test_default_mapping_takes_every_numeric_variable_by_short_name(tmp_path: Pa
     assert shardvar.checkpoint.read_shard(tmp_path / "out", "model/uint64").dtype == torch.uint64
 
 
-def _check_state(optimizer: torch.optim.Optimizer, table: ShardedEmbedding, want: dict[str, np.ndarray], step: int) -> None:
+def _check_state(
+    optimizer: torch.optim.Optimizer, table: ShardedEmbedding, want: dict[str, np.ndarray], step: int
+) -> None:
     layout = table.weight.layout
     for s, shard in sorted(table.weight.local_shards().items()):
         state = optimizer.state[shard]
@@ -71,7 +73,10 @@ def test_v1_adam_slots_become_torch_adam_state(tmp_path: Path) -> None:
     exp = _expected("saver_v1")
     done = convert(DATA / "saver_v1", tmp_path / "out", {"emb": "m/weight"}, num_shards=2, strategy="mod",
                    optimizer="adam")  # fmt: skip
-    assert done.step == 3 and done.slots == {"emb/Adam": "opt/m/weight/exp_avg", "emb/Adam_1": "opt/m/weight/exp_avg_sq"}
+    assert done.step == 3 and done.slots == {
+        "emb/Adam": "opt/m/weight/exp_avg",
+        "emb/Adam_1": "opt/m/weight/exp_avg_sq",
+    }
     table = ShardedEmbedding(10, 4, partitioner=3)
     adam = torch.optim.Adam(table.parameters(), lr=0.5)
     shardvar.load({"m": table, "opt": adam}, tmp_path / "out")
@@ -144,7 +149,7 @@ def test_a_damaged_table_fails_the_conversion_and_keeps_the_previous_checkpoint(
     raw[-5] ^= 1  # the last slice's last row: only the last target shard reads it
     data.write_bytes(bytes(raw))
     for strategy in ("div", "mod"):
-        with pytest.raises(CheckpointError, match="emb.*crc32c"):
+        with pytest.raises(CheckpointError, match=r"emb.*crc32c"):
             convert(tmp_path / "ck", tmp_path / strategy, {"emb": "e"}, num_shards=3, strategy=strategy)
         assert not (tmp_path / strategy).exists()
     convert(DATA / "saver_v1", tmp_path / "prev", {"emb": "e"})

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tf_bundle import write_bundle, write_table
 
 from shardvar import CheckpointError
 from shardvar.tf import TFCheckpoint, convert, list_variables, load_variable
 from shardvar.tf._bundle import slice_key
 from shardvar.tf._proto import BundleEntryProto
 from shardvar.tf._table import TableError, read_table
+from tf_bundle import write_bundle, write_table
 
 DATA = Path(__file__).parent / "data" / "tf"
 
@@ -111,7 +111,7 @@ def test_absurd_shapes_and_handles(ckpt: Path) -> None:
         load_variable(ckpt, "counts")
     entry.shard_id, entry.dtype = 3, 11  # qint8
     _rewrite(ckpt, {b"counts": entry.SerializeToString()})
-    with pytest.raises(CheckpointError, match="'counts'.*qint8"):
+    with pytest.raises(CheckpointError, match=r"'counts'.*qint8"):
         load_variable(ckpt, "counts")
 
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from tf_bundle import write_bundle
 
 import shardvar.tf
 from shardvar import CheckpointError
 from shardvar.tf import TFCheckpoint, list_variables, load_variable
 from shardvar.tf._bundle import _signed, slice_key
+from tf_bundle import write_bundle
 
 DATA = Path(__file__).parent / "data" / "tf"
 KINDS = ["saver_v1", "checkpoint_v2_adam", "checkpoint_v2_adagrad", "dtypes_v2"]
@@ -59,7 +59,10 @@ def test_sharded_variable_and_short_names() -> None:
     reader = TFCheckpoint(ckpt)
     assert [p.lengths[0] for p in reader.variable("model/emb").pieces] == [4, 3, 3]  # uneven ShardedVariable
     slots = {(s.variable, s.name): s.key for s in reader.slots()}
-    assert slots[("model/emb/.ATTRIBUTES/VARIABLE_VALUE", "m")] == "model/emb/.OPTIMIZER_SLOT/opt/m/.ATTRIBUTES/VARIABLE_VALUE"
+    assert (
+        slots[("model/emb/.ATTRIBUTES/VARIABLE_VALUE", "m")]
+        == "model/emb/.OPTIMIZER_SLOT/opt/m/.ATTRIBUTES/VARIABLE_VALUE"
+    )
     assert len(slots) == 4
 
 
@@ -86,9 +89,9 @@ def test_every_dtype_and_strings_refused() -> None:
         "int8": torch.int8, "uint16": torch.uint16, "uint64": torch.uint64,
     }  # fmt: skip
     assert load_variable(ckpt, "model/uint64")[-1].item() == 2**64 - 1
-    with pytest.raises(CheckpointError, match="model/text.*string"):
+    with pytest.raises(CheckpointError, match=r"model/text.*string"):
         load_variable(ckpt, "model/text")
-    with pytest.raises(CheckpointError, match="no variable 'model/flags'.*close"):
+    with pytest.raises(CheckpointError, match=r"no variable 'model/flags'.*close"):
         load_variable(ckpt, "model/flags")
 
 

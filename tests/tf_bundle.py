@@ -17,7 +17,9 @@ from shardvar.tf._bundle import slice_key
 from shardvar.tf._proto import BundleEntryProto, BundleHeaderProto
 from shardvar.tf._table import MAGIC, mask
 
-CODES = {np.dtype(k): v for k, v in {"float32": 1, "float64": 2, "int32": 3, "int64": 9, "float16": 19, "bool": 10}.items()}
+CODES = {
+    np.dtype(k): v for k, v in {"float32": 1, "float64": 2, "int32": 3, "int64": 9, "float16": 19, "bool": 10}.items()
+}
 
 
 def _varint(n: int) -> bytes:

@@ -175,4 +175,3 @@ def _parse(message: type, data: bytes, index: Path, what: str) -> object:
         return message.FromString(data)
     except Exception as e:  # protobuf raises its DecodeError, or RuntimeError on deep nesting
         raise TableError(f"{index}: {what} is not a valid {message.__name__}: {e}") from None
-

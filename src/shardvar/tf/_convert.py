@@ -76,7 +76,9 @@ def _numeric() -> set[int]:
     return set(DTYPES)
 
 
-def _layout(v: TFVariable, name: str, num_shards: int | Mapping[str, int], strategy: str | Mapping[str, str]) -> Layout | None:
+def _layout(
+    v: TFVariable, name: str, num_shards: int | Mapping[str, int], strategy: str | Mapping[str, str]
+) -> Layout | None:
     if not v.shape:
         return None
     n = num_shards.get(name, 1) if isinstance(num_shards, Mapping) else num_shards

@@ -237,6 +237,9 @@ def _overlap(pieces: tuple[Piece, ...]) -> bool:
         for q in ordered[i + 1 :]:
             if q.offsets and q.offsets[0] >= p.offsets[0] + p.lengths[0]:
                 break
-            if all(qo < po + pn and po < qo + qn for po, pn, qo, qn in zip(p.offsets, p.lengths, q.offsets, q.lengths)):
+            if all(
+                qo < po + pn and po < qo + qn
+                for po, pn, qo, qn in zip(p.offsets, p.lengths, q.offsets, q.lengths, strict=True)
+            ):
                 return True
     return False

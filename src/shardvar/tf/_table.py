@@ -80,7 +80,9 @@ def _block(data: bytes, handle: tuple[int, int], what: str) -> memoryview:
     if unmask(stored) != actual:
         raise TableError(f"{what}: block at {offset} fails its crc32c check (stored {stored:#x}); the file is damaged")
     if kind != 0:
-        raise TableError(f"{what}: block at {offset} is compressed (type {kind}); TensorFlow writes uncompressed blocks")
+        raise TableError(
+            f"{what}: block at {offset} is compressed (type {kind}); TensorFlow writes uncompressed blocks"
+        )
     return memoryview(data)[offset : offset + size]
 
 

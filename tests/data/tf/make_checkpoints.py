@@ -19,10 +19,10 @@ from pathlib import Path
 os.environ["TF_USE_LEGACY_KERAS"] = "1"
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-import tf_keras  # noqa: E402
-from tensorflow.python.distribute.sharded_variable import ShardedVariable  # noqa: E402
+import numpy as np
+import tensorflow as tf
+import tf_keras
+from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
 HERE = Path(__file__).parent
 
@@ -37,7 +37,7 @@ def _init(seed: int, shape: tuple[int, int]) -> object:
 
     def initializer(shape: list[int], dtype: object = None, partition_info: object = None) -> tf.Tensor:
         offset = partition_info.var_offset if partition_info is not None else [0] * len(shape)
-        return tf.constant(full[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+        return tf.constant(full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))])
 
     return initializer
 
@@ -110,7 +110,7 @@ def checkpoint_v2(directory: Path, optimizer: tf_keras.optimizers.legacy.Optimiz
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(tf.nn.embedding_lookup(emb, [0, 5, 9, 5]) ** 2) + tf.reduce_sum(dense**3)
         grads = tape.gradient(loss, [*parts, dense])
-        optimizer.apply_gradients(zip(grads, [*parts, dense]))
+        optimizer.apply_gradients(zip(grads, [*parts, dense], strict=True))
     extra = {
         "counts": tf.Variable(np.array([[1, -2], [1 << 40, 5]], np.int64)),
         "half": tf.Variable(_values((3,), 21).astype(np.float16)),

@@ -1,0 +1,113 @@
+"""``shardvar convert-tf`` and ``shardvar inspect`` of a TensorFlow checkpoint (drawn with rich)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from .._errors import ShardvarError
+from ..layout import STRATEGIES
+
+__all__ = ["add_tf_parsers", "is_tf_checkpoint"]
+
+
+def is_tf_checkpoint(path: str) -> bool:
+    """A TensorFlow checkpoint prefix, its ``.index``, or a directory with a ``checkpoint`` state file."""
+    p = Path(path)
+    if p.is_dir():
+        return (p / "checkpoint").is_file() and not (p / "manifest.json").exists()
+    return p.name.endswith(".index") or Path(f"{p}.index").is_file()
+
+
+def _slices(v: object) -> str:
+    if not v.sliced:
+        return "-"
+    specs = [":".join(f"{o},{n}" for o, n in zip(p.offsets, p.lengths, strict=True)) for p in v.pieces]
+    return f"{len(specs)}: " + " ".join(specs[:4]) + (" ..." if len(specs) > 4 else "")
+
+
+def run_tf_inspect(args: argparse.Namespace) -> int:
+    from ..tf import TFCheckpoint
+    from ..tf._graph import short_name
+
+    console = Console()
+    try:
+        reader = TFCheckpoint(args.path)
+        slots = {s.key: f"slot {s.name} of {short_name(s.variable)}" for s in reader.slots()}
+    except ShardvarError as e:
+        raise SystemExit(f"shardvar inspect: {e}") from None
+    table = Table("variable", "shape", "dtype", "slices (offset,length per axis)", "note", title=str(reader.prefix))
+    for name, v in sorted(reader.variables.items()):
+        shape = "x".join(map(str, v.shape)) or "()"
+        table.add_row(escape(short_name(name)), shape, v.dtype_name, _slices(v), escape(slots.get(name, "")))
+    console.print(table)
+    console.print(
+        f"{len(reader.variables)} variables in {reader.bundle.num_shards} data file(s); TensorFlow checkpoint"
+    )
+    return 0
+
+
+def _mapping(path: str | None) -> dict[str, str] | None:
+    if path is None:
+        return None
+    try:
+        mapping = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"shardvar convert-tf: --map {path}: {e}") from None
+    if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
+        raise SystemExit(f"shardvar convert-tf: --map {path} must hold a JSON object of TF name -> shardvar name")
+    return mapping
+
+
+def run_convert_tf(args: argparse.Namespace) -> int:
+    from ..tf import convert
+
+    console = Console(stderr=True)
+    mapping = _mapping(args.map)
+    columns = (TextColumn("convert-tf"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
+    try:
+        with Progress(*columns, console=console, transient=True) as bar:
+            task = bar.add_task("convert", total=None)
+            done = convert(
+                args.ckpt, args.out, mapping, num_shards=args.shards, strategy=args.strategy,
+                optimizer=args.optimizer, step=args.step, overwrite=args.force,
+                progress=lambda n, total: bar.update(task, completed=n, total=total),
+            )  # fmt: skip
+    except ShardvarError as e:
+        raise SystemExit(f"shardvar convert-tf: {e}") from None
+    out = Console()
+    table = Table("TensorFlow", "shardvar", title=f"wrote {args.out}: {args.shards} {args.strategy} shard(s) per table")
+    for tf_name, name in [*done.variables.items(), *done.slots.items()]:
+        table.add_row(escape(tf_name), escape(name))
+    out.print(table)
+    if done.step is not None:
+        out.print(f"optimizer step count: {done.step}")
+    for tf_name, why in done.skipped.items():
+        out.print(f"not converted: {escape(tf_name)} ({escape(why)})")
+    return 0
+
+
+def add_tf_parsers(sub: argparse._SubParsersAction) -> None:
+    """Add ``convert-tf``, and let ``inspect`` (already added) also list TensorFlow checkpoints."""
+    p = sub.add_parser("convert-tf", help="convert a TensorFlow checkpoint into a shardvar checkpoint")
+    p.add_argument("ckpt", help="a TensorFlow checkpoint prefix, or a directory with a 'checkpoint' file")
+    p.add_argument("out")
+    p.add_argument("--shards", type=int, default=1, help="shards per table (default 1)")
+    p.add_argument("--strategy", choices=sorted(STRATEGIES), default="div")
+    p.add_argument("--map", help="a JSON file of TF name -> shardvar name (default: every variable, short names)")
+    p.add_argument("--optimizer", choices=["adam", "adagrad", "momentum"], help="also convert these slots")
+    p.add_argument("--step", type=int, help="the optimizer step count, when the checkpoint has none")
+    p.add_argument("--force", action="store_true", help="replace a checkpoint already at OUT")
+    p.set_defaults(func=run_convert_tf)
+    inspect = sub.choices.get("inspect")
+    if inspect is not None:
+        shardvar_inspect = inspect.get_default("func")
+        inspect.set_defaults(
+            func=lambda args: run_tf_inspect(args) if is_tf_checkpoint(args.path) else shardvar_inspect(args)
+        )
