@@ -79,7 +79,10 @@ _POOL.Add(_file())
 
 
 def _message(name: str) -> type:
-    return message_factory.GetMessageClass(_POOL.FindMessageTypeByName(f"{_PACKAGE}.{name}"))
+    descriptor = _POOL.FindMessageTypeByName(f"{_PACKAGE}.{name}")
+    if hasattr(message_factory, "GetMessageClass"):  # protobuf >= 4.22; older ones have only the factory
+        return message_factory.GetMessageClass(descriptor)
+    return message_factory.MessageFactory(_POOL).GetPrototype(descriptor)
 
 
 BundleHeaderProto = _message("BundleHeaderProto")
