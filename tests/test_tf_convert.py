@@ -48,12 +48,16 @@ def test_sharded_variable_and_axis1_partitions_load_into_a_collection(tmp_path: 
 
 
 def test_default_mapping_takes_every_numeric_variable_by_short_name(tmp_path: Path) -> None:
-    done = convert(DATA / "dtypes_v2", tmp_path / "out")
+    calls: list[tuple[int, int]] = []
+    done = convert(DATA / "dtypes_v2", tmp_path / "out", progress=lambda n, total: calls.append((n, total)))
+    assert calls[-1][0] == calls[-1][1] > 0 and [n for n, _ in calls] == sorted(n for n, _ in calls)
     assert done.variables["model/bf16/.ATTRIBUTES/VARIABLE_VALUE"] == "model/bf16"
     assert "model/text/.ATTRIBUTES/VARIABLE_VALUE" in done.skipped  # strings are not tensors of numbers
     got = shardvar.checkpoint.read_shard(tmp_path / "out", "model/int16")
     assert np.array_equal(got.numpy(), _expected("dtypes_v2")["model/int16/.ATTRIBUTES/VARIABLE_VALUE"])
     assert shardvar.checkpoint.read_shard(tmp_path / "out", "model/uint64").dtype == torch.uint64
+    renamed = convert(DATA / "dtypes_v2", tmp_path / "renamed", lambda name: name.upper() if "int8" in name else None)
+    assert set(renamed.variables.values()) == {"MODEL/INT8", "MODEL/UINT8"}
 
 
 def _check_state(

@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardvar.tf
 from shardvar import CheckpointError
-from shardvar.tf import TFCheckpoint, list_variables, load_variable
+from shardvar.tf import TFCheckpoint, _reader, list_variables, load_variable
 from shardvar.tf._bundle import _signed, slice_key
 from tf_bundle import write_bundle
 
@@ -119,4 +119,28 @@ def test_slice_key_escapes_special_bytes() -> None:
 
 
 def test_public_names() -> None:
-    assert set(shardvar.tf.__all__) == {"TFCheckpoint", "convert", "list_variables", "load_variable"}
+    assert set(shardvar.tf.__all__) == {"Conversion", "TFCheckpoint", "convert", "list_variables", "load_variable"}
+    assert all(hasattr(shardvar.tf, name) for name in shardvar.tf.__all__)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_read_rows_equals_numpy_slicing(tmp_path_factory: pytest.TempPathFactory, data: st.DataObject) -> None:
+    """Any rows start:stop:step of a variable in any row slices, read in chunks of any size, equal numpy's."""
+    rows = data.draw(st.integers(0, 40))
+    cols = data.draw(st.integers(0, 5))
+    cuts = sorted(data.draw(st.lists(st.integers(0, rows), max_size=4)))
+    sizes = [b - a for a, b in zip([0, *cuts], [*cuts, rows], strict=True)]
+    table = np.arange(rows * cols, dtype=np.int64).reshape(rows, cols)
+    prefix = tmp_path_factory.mktemp("rows") / "ck"
+    write_bundle(prefix, {"t": table}, {"t": sizes})
+    start = data.draw(st.integers(0, rows))
+    stop = data.draw(st.integers(start, rows))
+    step = data.draw(st.integers(1, 5))
+    reader = TFCheckpoint(prefix)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(_reader, "CHUNK_BYTES", data.draw(st.integers(1, 200)))
+        got = reader.read_rows(reader.variable("t"), start, stop, step)
+        reader.verify(reader.variable("t"))
+    assert np.array_equal(got.numpy(), table[start:stop:step])
+    assert {p.key for p in reader.variable("t").pieces} == reader._verified  # every byte crc-checked

@@ -7,7 +7,7 @@ ones (a ShardedVariable likewise; optimizer slots recorded in the object graph).
 """
 
 from ._api import list_variables, load_variable
-from ._convert import convert
+from ._convert import Conversion, convert
 from ._reader import TFCheckpoint
 
-__all__ = ["TFCheckpoint", "convert", "list_variables", "load_variable"]
+__all__ = ["Conversion", "TFCheckpoint", "convert", "list_variables", "load_variable"]

@@ -23,13 +23,14 @@ from .._validate import check_bool, check_int
 from ..checkpoint._manifest import MANIFEST
 from ..checkpoint._write import Entry, Progress, check_dtypes, write
 from ..layout import Layout, get_strategy
+from ._bundle import DTYPES
 from ._graph import GRAPH_KEY, short_name
 from ._reader import TFCheckpoint, TFVariable
 from ._slots import STEP_NAMES, TorchOptimizer, optimizer_spec
 
 __all__ = ["Conversion", "convert"]
 
-Mapping_ = Mapping[str, str] | Callable[[str], "str | None"] | None
+NameMap = Mapping[str, str] | Callable[[str], "str | None"] | None
 
 
 @dataclass
@@ -42,7 +43,7 @@ class Conversion:
     skipped: dict[str, str] = field(default_factory=dict)  # TensorFlow name -> why it was not converted
 
 
-def _targets(reader: TFCheckpoint, mapping: Mapping_, slot_keys: set[str], result: Conversion) -> dict[str, str]:
+def _targets(reader: TFCheckpoint, mapping: NameMap, slot_keys: set[str], result: Conversion) -> dict[str, str]:
     """TensorFlow key -> shardvar name of every variable to convert (slots go with their variables)."""
     chosen: dict[str, str] = {}
     if isinstance(mapping, Mapping):
@@ -56,7 +57,7 @@ def _targets(reader: TFCheckpoint, mapping: Mapping_, slot_keys: set[str], resul
         target = mapping(short_name(key)) if callable(mapping) else None if mapping is not None else short_name(key)
         if target is None:
             result.skipped[key] = "not in the mapping"
-        elif v.dtype_code not in _numeric():
+        elif v.dtype_code not in DTYPES:
             result.skipped[key] = f"a {v.dtype_name} variable: not a tensor of numbers"
         else:
             chosen[key] = target
@@ -68,12 +69,6 @@ def _targets(reader: TFCheckpoint, mapping: Mapping_, slot_keys: set[str], resul
             raise CheckpointError(f"the mapping names both {seen[target]!r} and {key!r} {target!r}")
         seen[target] = key
     return chosen
-
-
-def _numeric() -> set[int]:
-    from ._bundle import DTYPES
-
-    return set(DTYPES)
 
 
 def _layout(
@@ -158,7 +153,7 @@ def _slot_entries(
 def convert(
     ckpt: str | os.PathLike,
     out: str | os.PathLike,
-    mapping: Mapping_ = None,
+    mapping: NameMap = None,
     *,
     num_shards: int | Mapping[str, int] = 1,
     strategy: str | Mapping[str, str] = "div",

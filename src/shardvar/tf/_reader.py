@@ -16,6 +16,7 @@ from functools import cached_property
 from pathlib import Path
 
 import google_crc32c
+import numpy as np
 import torch
 
 from .._errors import CheckpointError
@@ -158,7 +159,7 @@ class TFCheckpoint:
         dtype = self.dtype(v)
         if not v.shape:
             out = torch.empty((), dtype=dtype)
-            self._read(v.pieces[0], out.reshape(1), 0, 1, 0, 1, ())
+            self._read(v.pieces[0], out.reshape(1), 0, 1, 1, ())
             return out
         out = torch.empty((len(range(start, stop, step)), *v.shape[1:]), dtype=dtype)
         for p in v.pieces:
@@ -167,14 +168,14 @@ class TFCheckpoint:
             if first < last:
                 cols = tuple(slice(o, o + n) for o, n in zip(p.offsets[1:], p.lengths[1:], strict=True))
                 dst = out[(first - start) // step :]
-                self._read(p, dst, first - p.offsets[0], last - p.offsets[0], 0, step, cols)
+                self._read(p, dst, first - p.offsets[0], last - p.offsets[0], step, cols)
         return out
 
-    def _read(self, p: Piece, out: torch.Tensor, a: int, b: int, _: int, step: int, cols: tuple) -> None:
+    def _read(self, p: Piece, out: torch.Tensor, a: int, b: int, step: int, cols: tuple) -> None:
         """Local rows ``a:b:step`` of piece ``p`` into ``out[0], out[1], ...`` (their columns ``cols``)."""
         row_bytes = math.prod(p.lengths[1:]) * out.dtype.itemsize
         if row_bytes == 0 or a >= b:
-            self._feed(p, 0, torch.empty(0, dtype=torch.uint8))
+            self._feed(p, 0, np.empty(0, dtype=np.uint8))  # an empty entry's crc is checked here
             return
         checked = self._progress.get(p.key, (0, 0))[0]
         begin = a if p.key in self._verified else min(a, checked // row_bytes)  # re-read skipped rows for the crc
