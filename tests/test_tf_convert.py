@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ import shardvar
 from shardvar import CheckpointError, EmbeddingBagCollection, ShardedEmbedding
 from shardvar.checkpoint import Manifest
 from shardvar.nn import TableConfig
-from shardvar.tf import convert
+from shardvar.tf import TFCheckpoint, convert
 from tf_bundle import write_bundle
 
 DATA = Path(__file__).parent / "data" / "tf"
@@ -122,6 +123,15 @@ def test_slots_that_cannot_map_are_reported(tmp_path: Path) -> None:
     assert "no Adam state" in done.skipped["cols/Momentum"]
     done = convert(DATA / "saver_v1", tmp_path / "plain", {"emb": "e"})
     assert "pass optimizer=" in done.skipped["emb/Adam"]
+
+
+def test_two_optimizers_slots_for_one_state_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    slots = TFCheckpoint(DATA / "checkpoint_v2_adam").slots()
+    twice = [*slots, *(dataclasses.replace(s, optimizer="opt2") for s in slots)]
+    monkeypatch.setattr(TFCheckpoint, "slots", lambda self: twice)
+    with pytest.raises(CheckpointError, match="two optimizers' slots"):
+        convert(DATA / "checkpoint_v2_adam", tmp_path / "out", {"model/emb": "e"}, optimizer="adam")
+    assert not (tmp_path / "out").exists()
 
 
 def test_bad_arguments_write_nothing(tmp_path: Path) -> None:

@@ -131,6 +131,11 @@ def _slot_entries(
         else:
             target = chosen[slot.variable]
             name = f"{key}/{target}/{state}"
+            if name in result.slots.values():
+                raise CheckpointError(
+                    f"two optimizers' slots of {slot.variable!r} would both be {name!r} ({slot.key!r} and another); "
+                    "map the variable into one optimizer at a time"
+                )
             entries.append(_entry(reader, reader.variables[slot.key], name, layouts[target]))
             slots.setdefault(target, []).append(state)
             result.slots[slot.key] = name
