@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from shardvar import CheckpointError
 from shardvar.tf import TFCheckpoint, convert, list_variables, load_variable
 from shardvar.tf._bundle import slice_key
-from shardvar.tf._proto import BundleEntryProto
+from shardvar.tf._proto import BundleEntryProto, BundleHeaderProto
 from shardvar.tf._table import TableError, read_table
-from tf_bundle import write_bundle, write_table
+from tf_bundle import table_bytes, write_bundle, write_table
 
 DATA = Path(__file__).parent / "data" / "tf"
 
@@ -155,3 +155,40 @@ def test_fuzz_damaged_index_and_data(tmp_path_factory: pytest.TempPathFactory, d
     expected = np.load(DATA / "saver_v1" / "expected.npz")
     for key in expected.files:  # undamaged in effect (a changed byte set back, or the crc's own padding)
         assert np.array_equal(load_variable(directory, key).numpy(), expected[key])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.binary(min_size=1, max_size=12), min_size=1, max_size=30, unique=True), st.data())
+def test_fuzz_table_blocks_past_their_checksums(keys: list[bytes], data: st.DataObject) -> None:
+    """Damage inside blocks whose crc is recomputed reaches the entry parser: TableError or the table, nothing else."""
+    items = sorted((k, k[::-1]) for k in keys)
+
+    def mutate(block: bytes) -> bytes:
+        raw = bytearray(block)
+        for _ in range(data.draw(st.integers(0, 3))):
+            if raw:
+                raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+        return bytes(raw[: data.draw(st.integers(0, len(raw)))] if data.draw(st.booleans()) else raw)
+
+    try:
+        table = read_table(table_bytes(items, data.draw(st.integers(1, 9)), mutate), "fuzz.index")
+    except TableError:
+        return
+    assert all(isinstance(k, bytes) and isinstance(v, bytes) for k, v in table.items())
+    assert list(table) == sorted(table)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.binary(max_size=64))
+def test_fuzz_entry_records(tmp_path_factory: pytest.TempPathFactory, record: bytes) -> None:
+    """Any bytes as a tensor's BundleEntryProto: a CheckpointError naming it, or a tensor, nothing else."""
+    prefix = tmp_path_factory.mktemp("entry") / "ck"
+    Path(f"{prefix}.data-00000-of-00001").write_bytes(bytes(range(256)))
+    header = BundleHeaderProto(num_shards=1).SerializeToString()
+    write_table(Path(f"{prefix}.index"), [(b"", header), (b"x", record)])
+    try:
+        value = load_variable(prefix, "x")
+    except CheckpointError:
+        return
+    entry = BundleEntryProto.FromString(record)  # it loaded: it said where its bytes are, and their crc held
+    assert value.numel() * value.element_size() == entry.size

@@ -8,6 +8,7 @@ writer against them (its output for the same tensors reads back alike), so it ca
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import google_crc32c
@@ -46,10 +47,14 @@ def _block(items: list[tuple[bytes, bytes]], restart_interval: int = 4) -> bytes
     return bytes(out) + struct.pack(f"<{len(restarts)}I", *restarts) + struct.pack("<I", len(restarts))
 
 
-def write_table(path: Path, items: list[tuple[bytes, bytes]], per_block: int = 8) -> None:
+def table_bytes(
+    items: list[tuple[bytes, bytes]], per_block: int = 8, mutate: Callable[[bytes], bytes] | None = None
+) -> bytes:
+    """A table of ``items``; ``mutate`` changes each block before its checksum is computed (fuzzing past it)."""
     out, index = bytearray(), []
 
     def add(block: bytes) -> bytes:
+        block = mutate(block) if mutate else block
         handle = _varint(len(out)) + _varint(len(block))
         out.extend(block + b"\x00" + struct.pack("<I", mask(google_crc32c.value(block + b"\x00"))))
         return handle
@@ -60,7 +65,11 @@ def write_table(path: Path, items: list[tuple[bytes, bytes]], per_block: int = 8
     meta = add(_block([]))
     footer = meta + add(_block(index))
     out += footer + b"\x00" * (40 - len(footer)) + struct.pack("<II", MAGIC & 0xFFFFFFFF, MAGIC >> 32)
-    path.write_bytes(bytes(out))
+    return bytes(out)
+
+
+def write_table(path: Path, items: list[tuple[bytes, bytes]], per_block: int = 8) -> None:
+    path.write_bytes(table_bytes(items, per_block))
 
 
 def write_bundle(prefix: Path, tensors: dict[str, np.ndarray], row_slices: dict[str, list[int]] | None = None) -> None:
