@@ -12,6 +12,7 @@ import torch
 import shardvar
 from shardvar import ShardedEmbedding
 from shardvar.cli import main
+from tf_bundle import write_bundle
 
 DATA = Path(__file__).parent / "data" / "tf"
 
@@ -61,3 +62,10 @@ def test_convert_tf_refuses_bad_input(tmp_path: Path) -> None:
         (tmp_path / "bad.index").write_bytes(b"\0" * 64)
         main(["inspect", str(tmp_path / "bad")])
     assert not (tmp_path / "o").exists()
+
+
+def test_inspect_escapes_control_characters_in_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_bundle(tmp_path / "ck", {"evil\x1b[2J[red]x": np.zeros(2, np.float32)})
+    assert main(["inspect", str(tmp_path / "ck")]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "evil\\x1b[2J[red]x" in out

@@ -25,6 +25,12 @@ def is_tf_checkpoint(path: str) -> bool:
     return p.name.endswith(".index") or Path(f"{p}.index").is_file()
 
 
+def _shown(text: str) -> str:
+    """``text`` for the terminal: rich markup escaped, and control characters (a hostile index's
+    names may hold escape sequences) shown as Python escapes, never sent."""
+    return escape("".join(c if c.isprintable() else repr(c)[1:-1] for c in text))
+
+
 def _slices(v: object) -> str:
     if not v.sliced:
         return "-"
@@ -45,7 +51,7 @@ def run_tf_inspect(args: argparse.Namespace) -> int:
     table = Table("variable", "shape", "dtype", "slices (offset,length per axis)", "note", title=str(reader.prefix))
     for name, v in sorted(reader.variables.items()):
         shape = "x".join(map(str, v.shape)) or "()"
-        table.add_row(escape(short_name(name)), shape, v.dtype_name, _slices(v), escape(slots.get(name, "")))
+        table.add_row(_shown(short_name(name)), shape, v.dtype_name, _slices(v), _shown(slots.get(name, "")))
     console.print(table)
     console.print(
         f"{len(reader.variables)} variables in {reader.bundle.num_shards} data file(s); TensorFlow checkpoint"
@@ -84,12 +90,12 @@ def run_convert_tf(args: argparse.Namespace) -> int:
     out = Console()
     table = Table("TensorFlow", "shardvar", title=f"wrote {args.out}: {args.shards} {args.strategy} shard(s) per table")
     for tf_name, name in [*done.variables.items(), *done.slots.items()]:
-        table.add_row(escape(tf_name), escape(name))
+        table.add_row(_shown(tf_name), _shown(name))
     out.print(table)
     if done.step is not None:
         out.print(f"optimizer step count: {done.step}")
     for tf_name, why in done.skipped.items():
-        out.print(f"not converted: {escape(tf_name)} ({escape(why)})")
+        out.print(f"not converted: {_shown(tf_name)} ({_shown(why)})")
     return 0
 
 
