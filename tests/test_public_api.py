@@ -19,6 +19,7 @@ LAYERS = [
     "optim",
     "dynamic",
     "checkpoint",
+    "tf",
     "distributed",
     "transform",
     "cli",

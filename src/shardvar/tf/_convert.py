@@ -193,8 +193,8 @@ def convert(
     result = Conversion(step=step)
     slot_keys = {s.key for s in reader.slots()}
     chosen = _targets(reader, mapping, slot_keys, result)
-    for key in (num_shards, strategy):
-        unknown = sorted(set(key) - set(chosen.values())) if isinstance(key, Mapping) else []
+    for per_table in (num_shards, strategy):
+        unknown = sorted(set(per_table) - set(chosen.values())) if isinstance(per_table, Mapping) else []
         if unknown:
             raise CheckpointError(f"layouts are given for {unknown}, which the mapping does not produce")
     layouts = {t: _layout(reader.variables[k], t, num_shards, strategy) for k, t in chosen.items()}
