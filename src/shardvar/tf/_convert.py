@@ -1,11 +1,10 @@
-"""``convert``: a TensorFlow checkpoint into a shardvar checkpoint, streamed shard by shard.
+"""``convert``: a TensorFlow checkpoint into a shardvar checkpoint, streamed in one pass per table.
 
-Every target shard is read from the TensorFlow data files straight into its tensor, handed to
-the checkpoint writer and dropped before the next is read: memory stays at the largest target
-shard plus one 8 MiB read buffer, never a whole table. A ``mod`` target shard gathers every
-n-th row, so each of a table's n shards streams over the table (the page cache serves the
-repeats). Everything is checked before ``out`` is touched; a checksum that fails while writing
-removes what was written, and a directory the conversion created, like a failed ``save``.
+Each table is read once, in order, in 8 MiB chunks a thread reads ahead while the checkpoint
+writer writes the previous ones into every target shard at its offset (``_stream``): memory
+stays at a few chunk buffers, never a shard or a table, in div and mod layouts alike. Everything
+is checked before ``out`` is touched; a checksum that fails while writing removes what was
+written, and a directory the conversion created, like a failed ``save``.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from ._bundle import DTYPES
 from ._graph import GRAPH_KEY, short_name
 from ._reader import TFCheckpoint, TFVariable
 from ._slots import STEP_NAMES, TorchOptimizer, optimizer_spec
+from ._stream import stream_rows, streams
 
 __all__ = ["Conversion", "convert"]
 
@@ -95,7 +95,8 @@ def _entry(reader: TFCheckpoint, v: TFVariable, name: str, layout: Layout | None
         return _verified(reader, v, rows) if shard == last else rows
 
     shapes = dict(enumerate(layout.shard_shapes(v.shape)))
-    return Entry(name, dtype, v.shape, layout, shapes, produce)
+    stream = (lambda: stream_rows(reader, v, layout)) if streams(layout) else None
+    return Entry(name, dtype, v.shape, layout, shapes, produce, stream=stream)
 
 
 def _verified(reader: TFCheckpoint, v: TFVariable, rows: torch.Tensor) -> torch.Tensor:

@@ -153,15 +153,23 @@ class TFCheckpoint:
             raise CheckpointError(f"the slices of {v.name!r} in {self.prefix} do not cover {list(v.shape)} exactly")
         self._checked.add(v.name)
 
-    def read_rows(self, v: TFVariable, start: int, stop: int, step: int = 1) -> torch.Tensor:
-        """Rows ``start:stop:step`` (axis 0) of ``v``; a 0-d variable whole."""
+    def read_rows(
+        self, v: TFVariable, start: int, stop: int, step: int = 1, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Rows ``start:stop:step`` (axis 0) of ``v``, into ``out`` if given (of their shape); a 0-d variable whole."""
         self.check(v)
         dtype = self.dtype(v)
         if not v.shape:
             out = torch.empty((), dtype=dtype)
             self._read(v.pieces[0], out.reshape(1), 0, 1, 1, ())
             return out
-        out = torch.empty((len(range(start, stop, step)), *v.shape[1:]), dtype=dtype)
+        shape = (len(range(start, stop, step)), *v.shape[1:])
+        if out is None:
+            out = torch.empty(shape, dtype=dtype)
+        elif tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous():
+            raise ValueError(
+                f"out is {list(out.shape)} {out.dtype}; rows {start}:{stop}:{step} of {v.name!r} need {shape}"
+            )
         for p in v.pieces:
             first = max(start, p.offsets[0] + (start - p.offsets[0]) % step) if p.offsets[0] > start else start
             last = min(stop, p.offsets[0] + p.lengths[0])
