@@ -95,7 +95,7 @@ def _entry(reader: TFCheckpoint, v: TFVariable, name: str, layout: Layout | None
         return _verified(reader, v, rows) if shard == last else rows
 
     shapes = dict(enumerate(layout.shard_shapes(v.shape)))
-    stream = (lambda: stream_rows(reader, v, layout)) if streams(layout) else None
+    stream = (lambda: stream_rows(reader, v, layout)) if streams(layout) and all(v.shape[1:]) else None  # rows of bytes
     return Entry(name, dtype, v.shape, layout, shapes, produce, stream=stream)
 
 

@@ -17,6 +17,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
 
+import numpy as np
 import torch
 
 from ..layout import Layout
@@ -49,8 +50,9 @@ def stream_rows(reader: TFCheckpoint, v: TFVariable, layout: Layout) -> Iterator
     else:
         jobs = [(s, a, min(a + per, start + count)) for s, (start, _, count) in enumerate(progressions)
                 for a in range(start, start + count, per)]  # fmt: skip
-    buffers = [torch.empty((per, *rest), dtype=reader.dtype(v)) for _ in range(AHEAD + 1)]
-    split = torch.empty((n, per // n, *rest), dtype=reader.dtype(v)) if mod else None
+    dtype = reader.dtype(v)
+    buffers = [torch.empty((per, *rest), dtype=dtype) for _ in range(AHEAD + 1)]
+    split = torch.empty((n, per // n, math.prod(rest) * dtype.itemsize), dtype=torch.uint8) if mod else None
 
     def fill(job: tuple[int, int, int], buffer: torch.Tensor) -> torch.Tensor:
         _, a, b = job
@@ -61,13 +63,20 @@ def stream_rows(reader: TFCheckpoint, v: TFVariable, layout: Layout) -> Iterator
             yield shard, a - progressions[shard][0], rows
             continue
         k, r = divmod(len(rows), n)
-        split[:, :k] = rows[: k * n].view(k, n, *rest).transpose(0, 1)
+        # numpy's single-threaded copy: torch's pool of threads is 20-30x slower on a busy machine
+        src, dst = _bytes(rows), split.numpy()
+        np.copyto(dst[:, :k], src[: k * n].reshape(k, n, dst.shape[2]).transpose(1, 0, 2))
         if r:  # the last chunk's tail: one row more for shards 0..r-1
-            split[:r, k] = rows[k * n :]
+            np.copyto(dst[:r, k], src[k * n :])
         for s in range(n):  # one write per shard and chunk, never per row
             if k + (s < r):
-                yield s, a // n, split[s, : k + (s < r)]
+                yield s, a // n, split[s, : k + (s < r)].view(dtype).view(k + (s < r), *rest)
     reader.verify(v)  # every byte of v has passed its crc32c before the writer commits
+
+
+def _bytes(rows: torch.Tensor) -> np.ndarray:
+    """Rows as a (rows, bytes per row) uint8 array, for any dtype (numpy has no bfloat16)."""
+    return rows.view(len(rows), -1 if rows.numel() else 0).view(torch.uint8).numpy()
 
 
 def ahead(
