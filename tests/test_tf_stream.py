@@ -113,3 +113,16 @@ def test_an_error_while_reading_ahead_is_raised_by_the_writer(tmp_path: Path, mo
     assert not (tmp_path / "out").exists()
     assert not any(t.name == "shardvar-tf-read" for t in threading.enumerate())
     assert TFCheckpoint(tmp_path / "ck").variable("t").shape == (64, 4)
+
+
+def test_a_table_written_in_one_pass_stays_in_one_data_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files roll over between tables, never between the shards one pass feeds together."""
+    monkeypatch.setattr(shardvar.checkpoint._write, "FILE_BYTES", 1000)
+    tables = {"a": np.ones((40, 4), np.float32), "b": np.zeros((30, 4), np.float32)}  # 640 and 480 bytes
+    write_bundle(tmp_path / "ck", tables)
+    convert(tmp_path / "ck", tmp_path / "out", num_shards=3, strategy="mod")
+    variables = shardvar.checkpoint.Manifest.read(tmp_path / "out").variables
+    files = {name: {p.file for p in v.pieces} for name, v in variables.items()}
+    assert len(files["a"]) == len(files["b"]) == 1 and files["a"] != files["b"]
+    for name, table in tables.items():
+        np.testing.assert_array_equal(shardvar.checkpoint.read_shard(tmp_path / "out", name).numpy(), table)
