@@ -151,10 +151,14 @@ class FileWriter:
             raise ValueError(f"expected tensors {[k for k, _, _ in layout]}; got {keys}")
         self._file.flush()  # the header, from the buffered file, before writes that bypass it
         fd = self._file.fileno()
-        states = [_Stream(shape, dtype, self._start + self._header[k]["data_offsets"][0]) for k, shape, dtype in layout]  # type: ignore[index]
+        offsets = [self._header[k]["data_offsets"][0] for k, _, _ in layout]  # type: ignore[index]
+        states = [
+            _Stream(shape, dtype, self._start + at) for (_, shape, dtype), at in zip(layout, offsets, strict=True)
+        ]
         for i, row, t in pieces:
             state = states[i]
-            if row != state.rows or tuple(t.shape[1:]) != state.shape[1:] or t.dtype != state.dtype:
+            fits = row == state.rows and row + len(t) <= (state.shape[0] if state.shape else 1)
+            if not fits or tuple(t.shape[1:]) != state.shape[1:] or t.dtype != state.dtype:  # refused before written
                 raise ValueError(f"tensor {keys[i]!r}: rows from {row} {list(t.shape)} {t.dtype} do not come next")
             data = _bytes_of(t)
             written = 0
