@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-collect_ignore = ["fuzz"]  # the atheris target runs by hand (see tests/fuzz/fuzz_manifest.py)
+# the atheris targets run by hand (see tests/fuzz/fuzz_manifest.py); data/tf/make_checkpoints.py needs TensorFlow
+collect_ignore = ["fuzz", "data"]
 CONFORMANCE = ROOT.parent / "shared" / "conformance"
 ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "IndexError": IndexError}
 

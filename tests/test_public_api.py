@@ -20,6 +20,7 @@ LAYERS = [
     "dynamic",
     "checkpoint",
     "quantized",
+    "tf",
     "distributed",
     "transform",
     "cli",

@@ -15,7 +15,7 @@ import math
 import os
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -24,6 +24,8 @@ import torch
 import xxhash
 
 from .._pages import empty
+
+StreamPiece = tuple[int, int, torch.Tensor]  # (index among the streamed tensors, first row, rows)
 
 __all__ = ["CHECKSUMS", "CHECKSUM", "DTYPE_CODES", "CHUNK_BYTES", "FileWriter", "StoredTensor", "read_chunks"]
 
@@ -137,6 +139,44 @@ class FileWriter:
         self.stored.append(stored)
         return stored
 
+    def write_stream(
+        self, keys: list[str], pieces: Iterable[StreamPiece], done: Callable[[int], None]
+    ) -> list[StoredTensor]:
+        """Write the next ``len(keys)`` tensors of the header from ``pieces`` that interleave them.
+
+        Each piece lands at its own offset (``pwrite``), so one pass over a source can feed every
+        tensor at once; a tensor's rows must arrive in order, each chunk checksum streaming over
+        them. ``done(nbytes)`` after each piece.
+        """
+        layout = [self._pending.pop(0) for _ in keys]
+        if [k for k, _, _ in layout] != keys:
+            raise ValueError(f"expected tensors {[k for k, _, _ in layout]}; got {keys}")
+        self._file.flush()  # the header, from the buffered file, before writes that bypass it
+        fd = self._file.fileno()
+        offsets = [self._header[k]["data_offsets"][0] for k, _, _ in layout]  # type: ignore[index]
+        states = [
+            _Stream(shape, dtype, self._start + at) for (_, shape, dtype), at in zip(layout, offsets, strict=True)
+        ]
+        for i, row, t in pieces:
+            state = states[i]
+            fits = row == state.rows and row + len(t) <= (state.shape[0] if state.shape else 1)
+            if not fits or tuple(t.shape[1:]) != state.shape[1:] or t.dtype != state.dtype:  # refused before written
+                raise ValueError(f"tensor {keys[i]!r}: rows from {row} {list(t.shape)} {t.dtype} do not come next")
+            data = _bytes_of(t)
+            written = 0
+            while written < len(data):
+                written += os.pwrite(fd, data[written:], state.begin + row * state.row_bytes + written)
+            state.add(data, len(t))
+            done(len(data))
+        stored = []
+        for (key, shape, dtype), state in zip(layout, states, strict=True):
+            if state.rows != (shape[0] if shape else 1):
+                raise ValueError(f"tensor {key!r} got {state.rows} rows of {shape[0] if shape else 1}")
+            stored.append(StoredTensor(key, shape, dtype, state.begin, state.chunk_rows, state.finish(), CHECKSUM))
+        self._file.seek(self._start + self._header[keys[-1]]["data_offsets"][1])  # type: ignore[index]
+        self.stored += stored
+        return stored
+
     def abort(self) -> None:
         """Close without finishing (the caller deletes the file)."""
         self._file.close()
@@ -148,6 +188,34 @@ class FileWriter:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
+
+
+class _Stream:
+    """A tensor being written piece by piece: rows so far and the checksum of each full chunk."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, begin: int) -> None:
+        self.shape, self.dtype, self.begin = shape, dtype, begin
+        self.row_bytes = math.prod(shape[1:]) * dtype.itemsize if shape else dtype.itemsize
+        self.chunk_rows = chunk_rows_for(shape, dtype)
+        self.step = max(1, self.chunk_rows * self.row_bytes)
+        self.rows, self.filled, self.sums = 0, 0, []
+        self.hasher = xxhash.xxh3_64()
+
+    def add(self, data: memoryview, rows: int) -> None:
+        self.rows += rows
+        while len(data):
+            take = min(len(data), self.step - self.filled)
+            self.hasher.update(data[:take])
+            self.filled, data = self.filled + take, data[take:]
+            if self.filled == self.step:
+                self.sums.append(self.hasher.intdigest())
+                self.hasher.reset()
+                self.filled = 0
+
+    def finish(self) -> tuple[int, ...]:
+        if self.filled or not self.sums:  # as ``write``: a last partial chunk, or an empty tensor's one sum
+            self.sums.append(self.hasher.intdigest())
+        return tuple(self.sums)
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> int:

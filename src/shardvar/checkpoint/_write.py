@@ -12,7 +12,7 @@ import contextlib
 import os
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ from ..layout import Layout
 from ._files import DirectoryLock, create_new, fsync_dir, reopen_spare
 from ._manifest import MANIFEST, Manifest, Piece, VariableEntry
 from ._optim import merge_infos
-from ._safetensors import DTYPE_CODES, FileWriter
+from ._safetensors import DTYPE_CODES, FileWriter, StoredTensor
 from ._state import Partial
 
 __all__ = ["Entry", "Coordinator", "Progress", "agree", "entry_of", "check_dtypes", "write"]
@@ -48,6 +48,9 @@ class Entry:
     shard_shapes: dict[int, tuple[int, ...]]  # shard index -> shape, for the shards written here
     produce: Callable[[int], torch.Tensor]
     replicated: bool = False  # a plain tensor every process holds whole: rank 0 writes it
+    # Instead of ``produce``: (shard, first local row, rows) pieces feeding all shards in one pass
+    # (each shard's rows in order); the shards then share one data file.
+    stream: Callable[[], Iterable[tuple[int, int, torch.Tensor]]] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -113,12 +116,13 @@ def _layout_files(entries: list[Entry]) -> list[list[tuple[Entry, int]]]:
     files: list[list[tuple[Entry, int]]] = [[]]
     size = 0
     for e in entries:
-        for s, shape in e.shard_shapes.items():
-            nbytes = _prod(shape) * e.dtype.itemsize
+        units = [list(e.shard_shapes)] if e.stream is not None else [[s] for s in e.shard_shapes]
+        for unit in units:
+            nbytes = sum(_prod(e.shard_shapes[s]) for s in unit) * e.dtype.itemsize
             if size and size + nbytes > FILE_BYTES:
                 files.append([])
                 size = 0
-            files[-1].append((e, s))
+            files[-1].extend((e, s) for s in unit)
             size += nbytes
     return [f for f in files if f]
 
@@ -155,6 +159,13 @@ def _write_files(
     written: list[Path] = []
     spares = _spares(directory) if reuse else []
     done = 0
+
+    def report(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        if progress:
+            progress(done, total)
+
     try:
         for k, members in enumerate(_layout_files(entries)):
             file_name = f"data-{save_id}-{tag}{k:05d}.safetensors"
@@ -162,14 +173,13 @@ def _write_files(
             writer = FileWriter(f, [(f"{e.name}#{s}", e.shard_shapes[s], e.dtype) for e, s in members])
             try:
                 for e, s in members:
-                    stored = writer.write(f"{e.name}#{s}", e.produce(s))
-                    start, step, count = e.layout.shard_progression(s) if e.layout else (0, 1, 1)
-                    piece = Piece(file_name, stored.key, start, step, count, stored.shape, stored.chunk_rows,
-                                  stored.sums, stored.begin, stored.checksum)  # fmt: skip
-                    pieces[e.name].append((s, piece))
-                    done += e.dtype.itemsize * _prod(stored.shape)
-                    if progress:
-                        progress(done, total)
+                    if e.stream is not None and s != next(iter(e.shard_shapes)):
+                        continue  # written with the entry's first shard
+                    for shard, stored in _write_shards(writer, e, s, report):
+                        start, step, count = e.layout.shard_progression(shard) if e.layout else (0, 1, 1)
+                        piece = Piece(file_name, stored.key, start, step, count, stored.shape, stored.chunk_rows,
+                                      stored.sums, stored.begin, stored.checksum)  # fmt: skip
+                        pieces[e.name].append((shard, piece))
             except BaseException:
                 writer.abort()
                 raise
@@ -179,6 +189,25 @@ def _write_files(
             path.unlink(missing_ok=True)
         raise
     return pieces
+
+
+def _write_shards(
+    writer: FileWriter, e: Entry, s: int, report: Callable[[int], None]
+) -> list[tuple[int, StoredTensor]]:
+    """Shard ``s`` of ``e``, or all its shards at once when ``e`` streams."""
+    if e.stream is None:
+        stored = writer.write(f"{e.name}#{s}", e.produce(s))
+        report(e.dtype.itemsize * _prod(stored.shape))
+        return [(s, stored)]
+    shards = list(e.shard_shapes)
+    index = {shard: i for i, shard in enumerate(shards)}
+    source = e.stream()
+    try:
+        pieces = ((index[shard], row, rows) for shard, row, rows in source)
+        stored = writer.write_stream([f"{e.name}#{shard}" for shard in shards], pieces, report)
+    finally:
+        getattr(source, "close", lambda: None)()  # a generator reading ahead stops now, even on failure
+    return list(zip(shards, stored, strict=True))
 
 
 def _cleanup(directory: Path, keep: set[str], keep_spare: bool) -> None:

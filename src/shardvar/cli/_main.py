@@ -12,6 +12,7 @@ from ._bench import add_bench_parser
 from ._checkpoint import add_checkpoint_parsers
 from ._demo import add_demo_parser
 from ._plan import add_plan_parser
+from ._tf import add_tf_parsers
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_plan_parser(sub)
     add_checkpoint_parsers(sub)
+    add_tf_parsers(sub)  # after inspect, which it extends to TensorFlow checkpoints
     return parser
 
 

@@ -1,0 +1,13 @@
+"""TensorFlow checkpoints, read without TensorFlow: list, load, and convert into shardvar checkpoints.
+
+A layer above ``shardvar.checkpoint`` (it writes through it) and below the CLI. Reads both kinds
+TensorFlow writes in its tensor-bundle format: ``tf.compat.v1.train.Saver`` checkpoints (a
+PartitionedVariable is saved as slices of one name) and object-based ``tf.train.Checkpoint``
+ones (a ShardedVariable likewise; optimizer slots recorded in the object graph).
+"""
+
+from ._api import list_variables, load_variable
+from ._convert import Conversion, convert
+from ._reader import TFCheckpoint
+
+__all__ = ["Conversion", "TFCheckpoint", "convert", "list_variables", "load_variable"]
