@@ -64,6 +64,7 @@ class Dense(nn.Module):
 
 
 def main() -> None:
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # huge pages for large tensors, before the first one
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--batch", type=int, default=64, help="users per step and rank")
