@@ -85,6 +85,8 @@ def _bag_sizes(offsets: torch.Tensor, n: int, include_last_offset: bool) -> torc
     return ends.diff().clamp_(min=1).to(torch.float32)
 
 
+# F.embedding_bag's keyword arguments, as variables.embedding_bag takes them (`duplicates` pairs the
+# two signatures): the packed twin of that function, with its own kernel, not a repeated rule.
 def bag(
     store: ShardStore,
     fmt: RowFormat,

@@ -141,6 +141,8 @@ class QuantizedEmbeddingBag(_QuantizedTable):
 
     def forward(self, input: Any, offsets: Any = None, per_sample_weights: Any = None) -> torch.Tensor:
         self._check_inference()
+        # The float bag's forward arguments passed on by name: alike in shape to ShardedEmbeddingBag's
+        # call (`duplicates` pairs them) because this is its drop-in, not because a rule repeats.
         return _lookup.bag(
             self.store,
             self.format,
@@ -164,6 +166,8 @@ class QuantizedEmbeddingBagCollection(nn.Module):
         self.embedding_bags = nn.ModuleDict(bags)
         self.eval()
 
+    # EmbeddingBagCollection.forward's signature (`duplicates` pairs the two): a drop-in, and the
+    # lookup itself is the float collection's one `lookup_tables`.
     def forward(
         self,
         features: dict[str, Any] | KeyedJagged,

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.modules import module as _torch_module
 
 from ._sharded_variable import ShardedVariable
-from ._state_dict import check_not_assign, load_logical, save_logical
+from ._state_dict import register_logical_hooks
 
 __all__ = ["attribute_variables"]
 
@@ -30,33 +30,15 @@ def _shard_keys(name: str, variable: ShardedVariable) -> dict[int, str]:
     return {s: f"{name}.shard_{s}" for s in variable.local_shards()}
 
 
-def _save(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
-    for name, variable in attribute_variables(module).items():
-        if variable.state_dict_form == "logical":
-            save_logical(state, prefix, name, variable, list(_shard_keys(name, variable).values()))
-
-
-def _load(
-    module: nn.Module,
-    state: dict,
-    prefix: str,
-    local_metadata: dict,
-    strict: bool,
-    missing_keys: list,
-    unexpected_keys: list,
-    error_msgs: list,
-) -> None:
-    for name, variable in attribute_variables(module).items():
-        check_not_assign(local_metadata, prefix, name)
-        load_logical(state, prefix, name, variable, _shard_keys(name, variable), missing_keys, error_msgs)
+def _attribute_state(module: nn.Module) -> tuple[str, None, dict]:
+    """The attribute variables of ``module`` for the logical state_dict hooks (each keeps its own form)."""
+    return "logical", None, {n: (v, _shard_keys(n, v)) for n, v in attribute_variables(module).items()}
 
 
 def _on_register(module: nn.Module, name: str, value: object) -> None:
     if isinstance(value, ShardedVariable) and "_shardvar_attribute_hooks" not in module.__dict__:
-        module.__dict__["_shardvar_attribute_hooks"] = (
-            module.register_state_dict_post_hook(_save),
-            module.register_load_state_dict_pre_hook(_load),
-        )
+        module.__dict__["_shardvar_attribute_hooks"] = True
+        register_logical_hooks(module, _attribute_state)
 
 
 # Global, because torch offers no per-class hook for "a module was assigned to me"; it is torch's

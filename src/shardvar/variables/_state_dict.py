@@ -113,7 +113,8 @@ def _save_hook(state: LogicalState, module: nn.Module, out: dict, prefix: str, l
     if form != "logical":
         return
     for name, (variable, keys) in variables.items():
-        save_logical(out, prefix, name, variable, list(keys.values()))
+        if getattr(variable, "state_dict_form", "logical") == "logical":  # a variable may ask for per-shard keys itself
+            save_logical(out, prefix, name, variable, list(keys.values()))
     if order is not None:
         reorder(out, prefix, order)
 
