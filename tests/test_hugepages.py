@@ -19,6 +19,7 @@ import shardvar
 from conftest import ROOT
 from shardvar import _pages
 from shardvar.nn import ShardedEmbedding
+from shardvar.variables._gather import embedding
 
 MADVISE = _pages.huge_pages_mode() == "madvise"
 needs_madvise = pytest.mark.skipif(not MADVISE, reason="transparent huge pages are not in madvise mode here")
@@ -180,3 +181,38 @@ def test_bench_reports_both_settings_from_a_child_process_each(tmp_path) -> None
     names = [r["benchmark"] for r in results]
     assert [r["huge_pages"] for r in results] == ["off"] * 4 + ["on"] * 4 and names[:4] == names[4:]
     assert all(r["ratio"] > 0 for r in results)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("padding_idx", [None, 3])
+@pytest.mark.parametrize("scale_grad_by_freq", [False, True])
+def test_a_large_lookup_writes_huge_pages_and_equals_f_embedding(sparse, padding_idx, scale_grad_by_freq) -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(4096, 64, requires_grad=True)
+    ids = torch.randint(0, 4096, (16384,))  # a 4 MiB output: whole huge pages inside it
+    ids[::7] = 3
+    out = embedding(ids, weight, padding_idx, None, 2.0, scale_grad_by_freq, sparse)
+    ref = F.embedding(ids, weight, padding_idx, None, 2.0, scale_grad_by_freq, sparse)
+    assert torch.equal(out, ref)
+    if MADVISE and not (sparse and scale_grad_by_freq):
+        assert type(out.grad_fn).__name__ == "HugePageGatherBackward"
+        assert "hg" in _vm_flags(-(-out.data_ptr() // _pages.HUGE_PAGE) * _pages.HUGE_PAGE)
+    grad = torch.randn_like(ref)
+    if sparse and scale_grad_by_freq:  # torch has no such backward: the same error from both
+        for result in (out, ref):
+            with pytest.raises(RuntimeError, match="scale_grad_by_freq not supported with sparse"):
+                torch.autograd.grad(result, weight, grad)
+        return
+    (got,) = torch.autograd.grad(out, weight, grad)
+    (want,) = torch.autograd.grad(ref, weight, grad)
+    assert got.is_sparse == want.is_sparse == sparse
+    torch.testing.assert_close(got.to_dense(), want.to_dense())
+
+
+def test_small_lookups_and_max_norm_stay_torch_own() -> None:
+    weight = torch.randn(100, 8, requires_grad=True)
+    ids = torch.randint(0, 100, (64,))
+    assert type(embedding(ids, weight, None, None, 2.0, False, False).grad_fn).__name__ == "EmbeddingBackward0"
+    big = torch.randint(0, 100, (1 << 17,))
+    with torch.no_grad():
+        assert torch.equal(embedding(big, weight, None, 1.0, 2.0, False, False), F.embedding(big, weight, max_norm=1.0))

@@ -27,6 +27,7 @@ import torch
 
 __all__ = [
     "HUGE_PAGE",
+    "advisable",
     "advise",
     "empty",
     "empty_like",
@@ -84,6 +85,11 @@ def _madvise() -> Callable[..., int] | None:
         return None
     fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
     return fn
+
+
+def advisable(nbytes: int, device: torch.device) -> bool:
+    """Whether a fresh buffer of ``nbytes`` on ``device`` would be advised for huge pages here."""
+    return device.type == "cpu" and nbytes >= HUGE_PAGE and _madvise() is not None
 
 
 def advise(t: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from .._errors import ShardvarDTypeError, ShardvarValueError
 from .._validate import check_bool, check_choice, check_int, check_number
 from ..layout import as_ids, check_ids
+from . import _gather
 from ._autograd import GatherRows, SlabView, gather_local, scatter_grads
 from ._jagged import bags, on_values
 from ._store import ShardStore
@@ -192,7 +193,9 @@ def embedding(
     def lookup(ids: Any) -> torch.Tensor:
         ids, pad, clip, norm = _prepare(store, ids, padding_idx, max_norm, norm_type, sparse)
         src = _source(store, ids.reshape(-1), pad, clip, norm, sparse)
-        out = F.embedding(src.indices, src.weight, src.padding_idx, src.max_norm, norm, scale_grad_by_freq, src.sparse)
+        out = _gather.embedding(
+            src.indices, src.weight, src.padding_idx, src.max_norm, norm, scale_grad_by_freq, src.sparse
+        )
         return out.reshape((*ids.shape, *store.row_shape))  # a tuple: 0-d ids of 1-D params give a 0-d result
 
     return on_values(ids, lookup)

@@ -1,0 +1,73 @@
+"""``F.embedding`` whose output is huge-page backed: most of a large CPU lookup is its first touch.
+
+torch allocates ``F.embedding``'s output itself, 4 KiB page by page unless the user turned on
+``THP_MEM_ALLOC_ENABLE`` before torch's first allocation. A lookup that writes into a buffer from
+:func:`shardvar._pages.empty` faults it in 2 MiB at a time instead, whatever that switch says.
+:class:`HugePageGather` is that lookup: ``index_select`` into such a buffer forward (what
+``F.embedding`` computes without ``max_norm``), and ``F.embedding``'s own backward
+(its dense or sparse kernel, with ``padding_idx`` and ``scale_grad_by_freq``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .._pages import advisable, empty
+
+__all__ = ["HugePageGather", "embedding"]
+
+
+class HugePageGather(torch.autograd.Function):
+    """``HugePageGather.apply(weight, indices, padding_idx, scale_grad_by_freq, sparse)``: rows of a 2-D weight."""
+
+    @staticmethod
+    def forward(weight: torch.Tensor, indices: torch.Tensor, padding_idx: Any, scale: bool, sparse: bool) -> Any:
+        out = empty((indices.numel(), weight.shape[1]), dtype=weight.dtype, device=weight.device)
+        return torch.index_select(weight, 0, indices, out=out)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        weight, indices, padding_idx, scale, sparse = inputs
+        ctx.save_for_backward(indices)
+        ctx.rows, ctx.options, ctx.sparse = weight.shape[0], (-1 if padding_idx is None else padding_idx, scale), sparse
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (indices,) = ctx.saved_tensors
+        # The kernels F.embedding's own backward calls (aten.embedding_backward refuses sparse + scale).
+        aten = torch.ops.aten
+        backward = aten.embedding_sparse_backward if ctx.sparse else aten.embedding_dense_backward
+        weight_grad = backward(grad, indices, ctx.rows, *ctx.options)
+        return weight_grad, None, None, None, None
+
+
+def _plain(t: torch.Tensor) -> bool:
+    # Under torch.compile or a torch.func transform the op stays torch's own (traceable, batchable).
+    return not torch._C._functorch.is_functorch_wrapped_tensor(t) and not torch.compiler.is_compiling()
+
+
+def embedding(
+    indices: torch.Tensor,
+    weight: torch.Tensor,
+    padding_idx: int | None,
+    max_norm: float | None,
+    norm_type: float,
+    scale_grad_by_freq: bool,
+    sparse: bool,
+) -> torch.Tensor:
+    """``F.embedding`` with these arguments; its output huge-page backed where that applies."""
+    nbytes = indices.numel() * weight.shape[-1] * weight.element_size()
+    if (
+        max_norm is None
+        and not (sparse and scale_grad_by_freq)  # torch refuses it in backward: keep its error
+        and weight.dim() == 2
+        and indices.dim() == 1
+        and advisable(nbytes, weight.device)
+        and _plain(weight)
+        and _plain(indices)
+    ):
+        return HugePageGather.apply(weight, indices, padding_idx, scale_grad_by_freq, sparse)
+    return F.embedding(indices, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
