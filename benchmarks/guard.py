@@ -133,6 +133,42 @@ def train_fused(s: Sizes) -> tuple[Step, Step]:
     return _train(mine, ours(mine), s.zipf), _train(plain, theirs(list(plain.parameters())), s.zipf)
 
 
+def lookup_large(s: Sizes) -> tuple[Step, Step]:
+    # 2^18 ids x 64: a 64 MiB output whose first touch is most of a lookup (issue 28's path).
+    v, ids = shardvar.shard_tensor(s.table, Layout.div(s.rows, 8)), zipf_ids(1 << 18, s.rows, seed=1)
+    return lambda: shardvar.embedding_lookup(v, ids), lambda: F.embedding(ids, s.table)
+
+
+def collection_fused(s: Sizes) -> tuple[Step, Step]:
+    """4 tables' bag step, fused row-wise Adagrad, against 4 nn.EmbeddingBags and torch's sparse Adagrad."""
+    names, batch = [f"t{i}" for i in range(4)], s.ids // 16
+    ids = {k: zipf_ids(s.ids, s.rows, seed=i) for i, k in enumerate(names)}
+    offsets, grad = torch.arange(batch) * 16, torch.randn(batch, s.dim)
+    plain = nn.ModuleDict({k: nn.EmbeddingBag(s.rows, s.dim, mode="sum", sparse=True) for k in names})
+    plain_opt = torch.optim.Adagrad(plain.parameters(), lr=0.01)
+    configs = {k: shardvar.TableConfig(s.rows, s.dim, 8, "mod") for k in names}
+    ebc = shardvar.EmbeddingBagCollection(configs, sparse=True)
+    shardvar.optim.fuse(shardvar.optim.RowWiseAdagrad(ebc, lr=0.01))
+
+    def theirs() -> None:
+        sum((plain[k](ids[k], offsets) * grad).sum() for k in names).backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+
+    def ours() -> None:
+        sum((v * grad).sum() for v in ebc(ids, dict.fromkeys(names, offsets)).values()).backward()
+
+    return ours, theirs
+
+
+def quantized_bag(s: Sizes) -> tuple[Step, Step]:
+    offsets = torch.arange(0, s.ids, 20)
+    plain = nn.EmbeddingBag.from_pretrained(s.table, mode="sum")
+    bag8 = shardvar.ShardedEmbeddingBag.from_pretrained(s.table, mode="sum", partitioner=8)
+    q8 = shardvar.quantize(bag8, torch.quint8)
+    return lambda: q8(s.zipf, offsets), lambda: plain(s.zipf, offsets)
+
+
 def checkpoint(s: Sizes, restore: bool) -> tuple[Step, Step]:
     root = Path(tempfile.mkdtemp(prefix="shardvar-guard-"))
     _SCRATCH.append(root)
@@ -172,11 +208,14 @@ CASES: list[tuple[str, Callable[[Sizes, int, float], list[float]]]] = [
     ("lookup, one shard / F.embedding", timed(lookup_one_shard)),
     ("lookup, 1024 mod shards / F.embedding", timed(lambda s: lookup_user(s, 1024))),
     ("lookup, list of 8 tensors / F.embedding", timed(lookup_list)),
+    ("lookup, 2^18 ids (8 div shards) / F.embedding", timed(lookup_large)),
     ("scatter_add (8 mod shards) / index_add_", timed(scatter)),
     ("bag fwd+bwd, sum (8 shards) / nn.EmbeddingBag", timed(bag)),
     ("training step, Adam (dense) / nn.Embedding", timed(lambda s: train_torch(s, sparse=False))),
     ("training step, SGD (sparse) / nn.Embedding", timed(lambda s: train_torch(s, sparse=True))),
     ("training step, fused shardvar.optim / SparseAdam", timed(train_fused)),
+    ("collection step, fused RowWiseAdagrad (4 x 8 mod shards) / nn.EmbeddingBag + Adagrad", timed(collection_fused)),
+    ("bag forward, int8 (8 shards) / nn.EmbeddingBag fp32", timed(quantized_bag)),
     ("2 ranks fwd+bwd, dense / one process", distributed("dense")),
     ("2 ranks fwd+bwd, sparse / one process", distributed("sparse")),
     ("checkpoint save (8 shards) / torch.save", timed(lambda s: checkpoint(s, restore=False))),

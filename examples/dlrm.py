@@ -2,8 +2,8 @@
 
     python examples/dlrm.py --steps 100                          # one process
     torchrun --nproc-per-node 2 examples/dlrm.py --steps 100     # tables sharded over 2 ranks
-    torchrun --standalone --max-restarts 3 --nproc-per-node 2 examples/dlrm.py --steps 1000 \
-        --checkpoint-dir ck --checkpoint-every 100                 # a long run that survives
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --max-restarts 3 --nproc-per-node 2 \
+        examples/dlrm.py --steps 1000 --checkpoint-dir ck --checkpoint-every 100   # a long run that survives
 
 The model, data and training loop are ``shardvar.cli.dlrm`` (``shardvar demo --tables 26`` runs
 them too). Under torchrun every step looks all 26 tables up in one exchange per group of alike

@@ -16,13 +16,14 @@ ARGS = ["--batch", "1536", "--scale", "0.0005", "--checkpoint-every", "5"]
 
 
 def _launch(world: int, steps: int, root: Path, restarts: int = 0) -> subprocess.Popen:
-    # --standalone: a c10d rendezvous, whose every round (a restart) keys the store afresh; with the
-    # static one, restarted gloo ranks can read the dead ranks' addresses and wait for them.
+    # --standalone: a c10d rendezvous. Its store is shared by every round (a restart) unless
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, and torch's env:// init keys the group unprefixed in a
+    # shared store: a restarted gloo rank could read a dead rank's address of the earlier round.
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
                 "--max-restarts", str(restarts)] if world > 1 else []  # fmt: skip
     cmd = [sys.executable, *launcher, str(ROOT / "examples" / "dlrm.py"), "--steps", str(steps), *ARGS,
            "--checkpoint-dir", str(root / "ck"), "--losses", str(root / "losses")]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
