@@ -148,7 +148,7 @@ def test_dlrm_ranks_that_run_different_numbers_of_steps_all_fail_clearly(tmp_pat
     for rank in range(2):
         env = _env({"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
         cmd = [sys.executable, str(ROOT / "examples" / "dlrm.py"), "--steps", str(3 + rank), "--batch", "64",
-               "--scale", "0.0005", "--timeout", "10", "--save", str(tmp_path / "ck")]  # fmt: skip
+               "--scale", "0.0005", "--timeout", "5", "--save", str(tmp_path / "ck")]  # fmt: skip
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     errors = []
     for p in procs:
