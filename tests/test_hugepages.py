@@ -189,7 +189,7 @@ def test_bench_reports_both_settings_from_a_child_process_each(tmp_path) -> None
 def test_a_large_lookup_writes_huge_pages_and_equals_f_embedding(sparse, padding_idx, scale_grad_by_freq) -> None:
     torch.manual_seed(0)
     weight = torch.randn(4096, 64, requires_grad=True)
-    ids = torch.randint(0, 4096, (16384,))  # a 4 MiB output: whole huge pages inside it
+    ids = torch.randint(0, 4096, (1 << 17,))  # a 32 MiB output: a fresh mapping, whole huge pages inside it
     ids[::7] = 3
     out = embedding(ids, weight, padding_idx, None, 2.0, scale_grad_by_freq, sparse)
     ref = F.embedding(ids, weight, padding_idx, None, 2.0, scale_grad_by_freq, sparse)
@@ -213,6 +213,9 @@ def test_small_lookups_and_max_norm_stay_torch_own() -> None:
     weight = torch.randn(100, 8, requires_grad=True)
     ids = torch.randint(0, 100, (64,))
     assert type(embedding(ids, weight, None, None, 2.0, False, False).grad_fn).__name__ == "EmbeddingBackward0"
+    mid = torch.randint(0, 4096, (1 << 14,))  # 4 MiB: heap memory torch reuses, no advice to give
+    mid_weight = torch.randn(4096, 64, requires_grad=True)
+    assert type(embedding(mid, mid_weight, None, None, 2.0, False, False).grad_fn).__name__ == "EmbeddingBackward0"
     big = torch.randint(0, 100, (1 << 17,))
     with torch.no_grad():
         assert torch.equal(embedding(big, weight, None, 1.0, 2.0, False, False), F.embedding(big, weight, max_norm=1.0))
