@@ -46,6 +46,16 @@ class Exchange:
     def world(self) -> int:
         return self.comm.world
 
+    def grouping_key(self, store: ShardStore, ids: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """A sort key of ``ids`` that groups them by owning rank (ascending ids within each) and the
+        bound of its values; None if an id is out of range (the exchange then reports it on every
+        rank) or the key would overflow."""
+        n = store.layout.num_rows
+        if ids.numel() == 0 or n * self.world >= 1 << 62 or _verdict(ids, n) is not None:
+            return None
+        owner = self.owner.index_select(0, store.layout.strategy.locate(store.layout.sizes, ids)[0])
+        return owner.mul_(n).add_(ids), n * self.world
+
     def rows(
         self, store: ShardStore, ids: torch.Tensor, *, sparse: bool, max_norm: float | None, norm_type: float
     ) -> torch.Tensor:
@@ -65,12 +75,16 @@ def _verdict(ids: torch.Tensor, num_rows: int) -> int | None:
 
 
 def _send_ids(ex: Exchange, store: ShardStore, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list, list]:
-    """All_to_all the ids to their owners: (order sent, ids received, counts sent, counts received)."""
+    """All_to_all the ids to their owners: (order sent, ids received, counts sent, counts received).
+
+    The order is empty when ``ids`` are already grouped by owner (see ``Exchange.grouping_key``).
+    """
     comm, layout, world = ex.comm, store.layout, ex.comm.world
     first_bad = _verdict(ids, layout.num_rows)
     shard = layout.strategy.locate(layout.sizes, ids.clamp(0, max(layout.num_rows - 1, 0)))[0]
-    owner = ex.owner[shard]
-    order = torch.argsort(owner, stable=True)
+    owner = ex.owner.index_select(0, shard)
+    grouped = owner.numel() < 2 or bool((owner[1:] >= owner[:-1]).all())
+    order = owner.new_empty(0) if grouped else torch.argsort(owner, stable=True)
     send_counts = torch.bincount(owner, minlength=world)
     verdict = torch.full((world,), 0 if first_bad is None else 1, dtype=torch.int64, device=ids.device)
     header = torch.stack([send_counts, verdict], dim=1).reshape(-1)
@@ -85,7 +99,7 @@ def _send_ids(ex: Exchange, store: ShardStore, ids: torch.Tensor) -> tuple[torch
         )
     send_list, recv_list = send_counts.tolist(), received[:, 0].tolist()
     recv_ids = torch.empty(sum(recv_list), dtype=torch.int64, device=ids.device)
-    comm.all_to_all(recv_ids, ids.index_select(0, order), recv_list, send_list, "ids")
+    comm.all_to_all(recv_ids, ids if grouped else ids.index_select(0, order), recv_list, send_list, "ids")
     return order, recv_ids, send_list, recv_list
 
 
@@ -108,7 +122,7 @@ class _ExchangeRows(torch.autograd.Function):
             local = torch.empty(0, width, dtype=store.dtype, device=ids.device)
         back = empty((sum(send_list), width), dtype=store.dtype, device=ids.device)
         ex.comm.all_to_all(back, local.contiguous(), send_list, recv_list, "rows")
-        rows = empty_like(back).index_copy_(0, order, back)
+        rows = back if order.numel() < 2 else empty_like(back).index_copy_(0, order, back)
         return rows, order, recv_ids, torch.tensor(send_list), torch.tensor(recv_list)
 
     @staticmethod
@@ -127,7 +141,8 @@ class _ExchangeRows(torch.autograd.Function):
         send_list, recv_list = ctx.counts
         ex, store = ctx.ex, ctx.store
         received = torch.empty(sum(recv_list), grad.shape[1], dtype=grad.dtype, device=grad.device)
-        ex.comm.all_to_all(received, grad.index_select(0, order).contiguous(), recv_list, send_list, "gradients")
+        send = grad if order.numel() < 2 else grad.index_select(0, order)
+        ex.comm.all_to_all(received, send.contiguous(), recv_list, send_list, "gradients")
         grads = functional.scatter_grads(store, recv_ids, received, ctx.sparse) if store.local_shards() else {}
         shards = tuple(grads.get(s) for s in store.local_shards())
         return (None, None, None, None, torch.zeros_like(ex.anchor), *shards)

@@ -24,6 +24,7 @@ from .._validate import check_bool, check_choice, check_int, check_number
 from ..layout import as_ids, check_ids
 from . import _gather
 from ._autograd import GatherRows, SlabView, gather_local, scatter_grads
+from ._distinct import Distinct, distinct, expand
 from ._jagged import bags, on_values
 from ._store import ShardStore
 
@@ -48,6 +49,7 @@ class _Source(NamedTuple):
     padding_idx: int | None
     max_norm: float | None  # left for the torch op to apply (the full-slab path)
     sparse: bool
+    distinct: Distinct | None = None  # fetched rows: the ids' grouping, whose sums make their gradient
 
 
 def check_padding_idx(padding_idx: Any, num_rows: int) -> int | None:
@@ -97,9 +99,11 @@ def _source(
         if padding_idx is not None:
             pad = int(store.slab_rows(torch.tensor([padding_idx], device=ids.device))[0])
         return _Source(slab_weight(store), rows, pad, max_norm, sparse)
-    unique, inverse = torch.unique(ids, return_inverse=True)
+    found = _distinct(store, ids, exchange)
+    unique, inverse = found.ids, found.inverse
     request, pad = unique, None
     if padding_idx is not None:
+        found = None  # padding ids point at a row of their own: no longer the distinct rows
         # The padding row goes last, and every padding id points at it: the op then gives it no
         # gradient (and leaves it out of bags) exactly as for an unsharded table.
         pad = unique.numel()
@@ -111,7 +115,16 @@ def _source(
         if max_norm is not None:
             renorm(store, unique, max_norm, norm_type)
         rows = GatherRows.apply(store, request, sparse, *store.local_shards().values())
-    return _Source(rows, inverse, pad, None, False)
+    return _Source(rows, inverse, pad, None, False, found)
+
+
+def _distinct(store: ShardStore, ids: torch.Tensor, exchange: Any) -> Distinct:
+    if exchange is None:  # valid ids (checked on the host), unless a torch.func transform hides them
+        return distinct(ids, (1 << 63) - 1 if _transformed(ids) else store.layout.num_rows)
+    # Grouped by owning rank (the rows come back in that order), if every id is valid; an invalid
+    # one is sent as it is, and the exchange reports it on every rank.
+    grouping = exchange.grouping_key(store, ids)
+    return distinct(ids, (1 << 63) - 1) if grouping is None else distinct(ids, grouping[1], grouping[0])
 
 
 def renorm(store: ShardStore, ids: torch.Tensor, max_norm: float, norm_type: float) -> None:
@@ -193,9 +206,12 @@ def embedding(
     def lookup(ids: Any) -> torch.Tensor:
         ids, pad, clip, norm = _prepare(store, ids, padding_idx, max_norm, norm_type, sparse)
         src = _source(store, ids.reshape(-1), pad, clip, norm, sparse)
-        out = _gather.embedding(
-            src.indices, src.weight, src.padding_idx, src.max_norm, norm, scale_grad_by_freq, src.sparse
-        )
+        if src.distinct is not None and not scale_grad_by_freq:
+            out = expand(src.weight, src.distinct)
+        else:
+            out = _gather.embedding(
+                src.indices, src.weight, src.padding_idx, src.max_norm, norm, scale_grad_by_freq, src.sparse
+            )
         return out.reshape((*ids.shape, *store.row_shape))  # a tuple: 0-d ids of 1-D params give a 0-d result
 
     return on_values(ids, lookup)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from .._pages import advisable, empty
 
-__all__ = ["FRESH_BYTES", "HugePageGather", "embedding"]
+__all__ = ["FRESH_BYTES", "HugePageGather", "embedding", "select_rows"]
 
 # glibc serves smaller buffers from its heap, reused and already faulted in, where the advice buys
 # nothing and costs a syscall (measured 1.3-1.6x slower at 2-8 MiB); at and above its largest mmap
@@ -25,13 +25,24 @@ __all__ = ["FRESH_BYTES", "HugePageGather", "embedding"]
 FRESH_BYTES = 32 << 20
 
 
+def _fresh(nbytes: int, device: torch.device) -> bool:
+    return nbytes >= FRESH_BYTES and advisable(nbytes, device)
+
+
+def select_rows(weight: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``weight.index_select(0, indices)`` for a 2-D weight, into a huge-page buffer where that pays."""
+    if not _fresh(indices.numel() * weight.shape[1] * weight.element_size(), weight.device):
+        return weight.index_select(0, indices)
+    out = empty((indices.numel(), weight.shape[1]), dtype=weight.dtype, device=weight.device)
+    return torch.index_select(weight, 0, indices, out=out)
+
+
 class HugePageGather(torch.autograd.Function):
     """``HugePageGather.apply(weight, indices, padding_idx, scale_grad_by_freq, sparse)``: rows of a 2-D weight."""
 
     @staticmethod
     def forward(weight: torch.Tensor, indices: torch.Tensor, padding_idx: Any, scale: bool, sparse: bool) -> Any:
-        out = empty((indices.numel(), weight.shape[1]), dtype=weight.dtype, device=weight.device)
-        return torch.index_select(weight, 0, indices, out=out)
+        return select_rows(weight, indices)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
@@ -70,8 +81,7 @@ def embedding(
         and not (sparse and scale_grad_by_freq)  # torch refuses it in backward: keep its error
         and weight.dim() == 2
         and indices.dim() == 1
-        and nbytes >= FRESH_BYTES
-        and advisable(nbytes, weight.device)
+        and _fresh(nbytes, weight.device)
         and _plain(weight)
         and _plain(indices)
     ):

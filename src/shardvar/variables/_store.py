@@ -211,7 +211,8 @@ class ShardStore:
             self._routes[device] = (group_of.to(device), start.to(device), step.to(device))
         group_of, start, step = self._routes[device]
         shard, row = self.layout.strategy.locate(self.layout.sizes, ids)
-        return group_of[shard], start[shard] + step[shard] * row
+        # index_select: several times faster than tensor indexing for a gather along one dimension.
+        return group_of.index_select(0, shard), start.index_select(0, shard).addcmul_(step.index_select(0, shard), row)
 
     def group_rows(self, g: int) -> torch.Tensor:
         """Group ``g``'s rows as ``[rows, width]`` (its slab, or its lone shard reshaped)."""

@@ -1,0 +1,76 @@
+"""The distinct ids of a lookup, found with one sort, and the lookup that expands their rows back.
+
+A lookup that fetches rows (from other ranks, or from shards that share no slab) reads each
+distinct id once, then gives every id its distinct row. Its backward must sum, for each distinct
+id, the gradients of all its occurrences. torch's dense embedding backward does that by
+accumulating into a zeroed buffer row by row; but the sort that found the distinct ids has
+already put each id's occurrences next to each other, so the sum is a segment sum, which
+``F.embedding_bag(mode="sum")`` computes with its vectorised kernels: 3-4x faster on a 65536-id
+Zipf batch, and bit for bit the same (each segment adds its occurrences in their input order).
+
+The sort can group the distinct ids by a key other than the id (the rank that owns each one):
+the rows then come back from the exchange already in the order the lookup needs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ._gather import _plain, select_rows
+
+__all__ = ["Distinct", "distinct", "expand"]
+
+
+class Distinct(NamedTuple):
+    """``ids``: the distinct ids, ordered by key; ``inverse``: each input id's position in ``ids``.
+
+    ``order`` lists the input positions grouped by distinct id, and ``offsets`` where each group starts.
+    """
+
+    ids: torch.Tensor
+    inverse: torch.Tensor
+    order: torch.Tensor
+    offsets: torch.Tensor
+
+
+def distinct(ids: torch.Tensor, bound: int, key: torch.Tensor | None = None) -> Distinct:
+    """The distinct values of 1-D ``ids``, sorted by ``key`` (one value per id, equal for equal ids;
+    default the id itself); every key is in ``[0, bound)`` (an id outside it must not reach here)."""
+    key = ids if key is None else key
+    if bound <= torch.iinfo(torch.int32).max:
+        key = key.to(torch.int32)  # a narrower sort key: torch sorts it ~1.4x faster
+    # Stable, so that each group keeps its occurrences in input order (the sums add in that order).
+    sorted_key, order = torch.sort(key, stable=True)
+    _, grouped, counts = torch.unique_consecutive(sorted_key, return_inverse=True, return_counts=True)
+    offsets = counts.cumsum(0).sub_(counts)
+    first = order.index_select(0, offsets)
+    inverse = torch.empty_like(order).scatter_(0, order, grouped)
+    return Distinct(ids.index_select(0, first), inverse, order, offsets)
+
+
+class _Expand(torch.autograd.Function):
+    """``_Expand.apply(rows, distinct)``: ``rows[distinct.inverse]``; backward: segment sums."""
+
+    @staticmethod
+    def forward(rows: torch.Tensor, inverse: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor) -> Any:
+        return select_rows(rows, inverse)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        _, _, order, offsets = inputs
+        ctx.save_for_backward(order, offsets)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        order, offsets = ctx.saved_tensors
+        return F.embedding_bag(order, grad.contiguous(), offsets, mode="sum"), None, None, None
+
+
+def expand(rows: torch.Tensor, found: Distinct) -> torch.Tensor:
+    """Each id's row, ``rows[found.inverse]``, for ``rows`` of ``found.ids`` (2-D, one per distinct id)."""
+    if rows.dim() == 2 and _plain(rows) and _plain(found.inverse):
+        return _Expand.apply(rows, found.inverse, found.order, found.offsets)
+    return F.embedding(found.inverse, rows)

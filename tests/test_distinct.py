@@ -1,0 +1,67 @@
+"""The distinct-ids plan of fetched-row lookups, and its expansion, against torch.unique and F.embedding."""
+
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardvar.variables._distinct import distinct, expand
+
+id_lists = st.lists(st.integers(0, 40), min_size=0, max_size=200)
+
+
+@settings(max_examples=60, deadline=None)
+@given(id_lists)
+def test_distinct_matches_torch_unique(values: list[int]) -> None:
+    ids = torch.tensor(values, dtype=torch.int64)
+    found = distinct(ids, 41)
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    assert torch.equal(found.ids, unique) and torch.equal(found.inverse, inverse)
+    # Each group lists the positions of one id, in input order.
+    counts = torch.bincount(inverse, minlength=unique.numel()) if ids.numel() else torch.zeros(0, dtype=torch.int64)
+    assert torch.equal(found.offsets, counts.cumsum(0) - counts)
+    assert torch.equal(ids.index_select(0, found.order), unique.repeat_interleave(counts))
+    for start, n in zip(found.offsets.tolist(), counts.tolist(), strict=True):
+        group = found.order[start : start + n]
+        assert bool((group[1:] > group[:-1]).all())
+
+
+@settings(max_examples=40, deadline=None)
+@given(id_lists, st.integers(1, 5))
+def test_distinct_orders_by_key(values: list[int], world: int) -> None:
+    ids = torch.tensor(values, dtype=torch.int64)
+    owner = ids % world
+    found = distinct(ids, 41 * world, owner * 41 + ids)
+    assert bool((found.ids % world)[1:].ge((found.ids % world)[:-1]).all())
+    assert torch.equal(found.ids.index_select(0, found.inverse), ids)
+    assert found.ids.numel() == torch.unique(ids).numel()
+
+
+def test_distinct_keeps_wide_ids_apart() -> None:
+    # Ids that agree in their low 32 bits stay distinct when the bound says they may be wide.
+    ids = torch.tensor([5, (1 << 32) + 5, 5])
+    assert distinct(ids, (1 << 63) - 1).ids.tolist() == [5, (1 << 32) + 5]
+
+
+@settings(max_examples=40, deadline=None)
+@given(id_lists.filter(bool), st.sampled_from([torch.float32, torch.float64]))
+def test_expand_matches_embedding_values_and_gradient(values: list[int], dtype: torch.dtype) -> None:
+    ids = torch.tensor(values, dtype=torch.int64)
+    found = distinct(ids, 41)
+    rows = torch.randn(found.ids.numel(), 3, dtype=dtype, requires_grad=True)
+    ref_rows = rows.detach().clone().requires_grad_(True)
+    grad = torch.randn(ids.numel(), 3, dtype=dtype)
+    out = expand(rows, found)
+    ref = F.embedding(found.inverse, ref_rows)
+    assert torch.equal(out, ref)
+    out.backward(grad)
+    ref.backward(grad)
+    torch.testing.assert_close(rows.grad, ref_rows.grad, rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-5)
+
+
+def test_expand_is_twice_differentiable() -> None:
+    ids = torch.tensor([3, 1, 3, 3, 0])
+    found = distinct(ids, 4)
+    rows = torch.randn(found.ids.numel(), 2, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda r: expand(r, found), (rows,))
+    torch.autograd.gradgradcheck(lambda r: expand(r, found), (rows,))
