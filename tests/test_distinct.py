@@ -65,3 +65,56 @@ def test_expand_is_twice_differentiable() -> None:
     rows = torch.randn(found.ids.numel(), 2, dtype=torch.float64, requires_grad=True)
     torch.autograd.gradcheck(lambda r: expand(r, found), (rows,))
     torch.autograd.gradgradcheck(lambda r: expand(r, found), (rows,))
+
+
+def _loose(rows: int = 9, width: int = 3):
+    """A variable whose mod shards are views of two tensors: no full slab, lookups fetch rows."""
+    from shardvar import ShardedVariable
+
+    a, b = torch.randn(rows, width), torch.randn(rows, width)
+    v = ShardedVariable([a[0::2].requires_grad_(), b[1::2].requires_grad_()], strategy="mod")
+    assert v.store.full_slab is None
+    return v
+
+
+def test_dense_gradient_memory_is_reused_only_once_nothing_holds_it() -> None:
+    v = _loose()
+    shards = list(v.variables)
+    ids = torch.tensor([0, 3, 3, 8])
+
+    def step(grad_scale: float) -> list[torch.Tensor]:
+        (v.sparse_read(ids) * grad_scale).sum().backward()
+        return [s.grad for s in shards]
+
+    first = step(1.0)
+    kept = [g.clone() for g in first]
+    second = step(2.0)  # the first gradients are still .grad: they accumulate, nothing is reused
+    for g, k in zip(second, kept, strict=True):
+        torch.testing.assert_close(g, 3 * k)
+    held = shards[0].grad  # the user keeps one gradient while zero_grad drops the .grad
+    for s in shards:
+        s.grad = None
+    third = step(1.0)
+    torch.testing.assert_close(held, 3 * kept[0])  # untouched by the next backward
+    for g, k in zip(third, kept, strict=True):
+        torch.testing.assert_close(g, k)
+    del held, first, second, third
+    for s in shards:
+        s.grad = None
+    fourth = step(1.0)
+    for g, k in zip(fourth, kept, strict=True):
+        torch.testing.assert_close(g, k)
+
+
+def test_dense_gradient_buffer_is_new_while_any_view_of_it_lives() -> None:
+    store = _loose().store
+    first = store.dense_grad(0)
+    first.fill_(7.0)
+    assert store.dense_grad(0) is first and not first.any()  # nothing else holds it: zeroed, reused
+    view = first[1:]
+    second = store.dense_grad(0)
+    assert second is not first and second.data_ptr() != first.data_ptr()
+    view.fill_(5.0)
+    assert not second.any()
+    del view, first
+    assert store.dense_grad(0) is second

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .._pages import empty, zeros
+from .._pages import empty
 from ..layout import group_positions
 from ._store import ShardStore
 
@@ -79,8 +79,7 @@ def scatter_grads(store: ShardStore, ids: torch.Tensor, grad: torch.Tensor, spar
             grads.update(store.split_sparse_grad(g, rows, part))
         else:
             # The one table-sized buffer, accumulated in place: it becomes the shards' .grad.
-            dense = zeros((info.rows, store.width), dtype=store.dtype, device=info.device)
-            grads.update(store.split_grad(g, dense.index_add_(0, rows, part)))
+            grads.update(store.split_grad(g, store.dense_grad(g).index_add_(0, rows, part)))
     # A shard this lookup did not touch still gets a (zero) gradient, as its rows would in an
     # unsharded table: optimizers then step every shard exactly as they step the table.
     missing = store.zero_grads(sparse, skip=grads.keys())

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .._errors import ShardvarDTypeError, ShardvarValueError
-from .._pages import empty, zeros_like
+from .._pages import empty, zeros, zeros_like
 from .._validate import check_devices
 from ..layout import Layout
 from ._memory import adopt, as_slab, check_disjoint, where
@@ -142,6 +142,7 @@ class ShardStore:
         self.groups = tuple(groups)
         self._signature = self._current_signature()
         self._routes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._grads: dict[int, torch.Tensor] = {}  # each group's last dense gradient, for reuse
 
     def _current_signature(self) -> list:
         # Where each shard's data lives: it moves with param.data = ..., module.to(...), set_(...).
@@ -234,6 +235,23 @@ class ShardStore:
             out[s] = piece if self.layout.axis == 0 else piece.movedim(0, self.layout.axis)
         return out
 
+    def dense_grad(self, g: int) -> torch.Tensor:
+        """A zeroed ``[rows, width]`` gradient for group ``g``: the last one this returned, once
+        nothing else holds its memory (``zero_grad()`` dropped it), else a new one.
+
+        A new CPU gradient each step would be freed and mapped afresh by the C allocator every
+        time, its first touch faulting in the whole table's pages again (torch's CUDA allocator
+        caches, the CPU one does not); a reused one is only zeroed. It costs one gradient's memory
+        between backwards, which the step holds anyway.
+        """
+        info, last = self.groups[g], self._grads.get(g)
+        if last is not None and last.device == info.device and _unshared(last):
+            return last.zero_()
+        grad = zeros((info.rows, self.width), dtype=self.dtype, device=info.device)
+        if info.device.type == "cpu":
+            self._grads[g] = grad
+        return grad
+
     def split_sparse_grad(self, g: int, rows: torch.Tensor, values: torch.Tensor) -> dict[int, torch.Tensor]:
         """Sparse COO gradients per member shard from group rows ``rows`` and their ``values``."""
         group = self.groups[g]
@@ -276,6 +294,11 @@ class ShardStore:
             f"ShardStore(shape={list(self.shape)}, dtype={self.dtype}, layout={self.layout}, "
             f"local={list(self._shards)}, groups={len(self.groups)}, slabs={slabs})"
         )
+
+
+def _unshared(t: torch.Tensor) -> bool:
+    # The storage's references: ``t`` and the storage object asked here, nothing else (no view, no .grad).
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) == 2
 
 
 def _member(rows: torch.Tensor, sizes: list[int], starts: torch.Tensor) -> torch.Tensor:
