@@ -108,13 +108,34 @@ def test_dense_gradient_memory_is_reused_only_once_nothing_holds_it() -> None:
 
 def test_dense_gradient_buffer_is_new_while_any_view_of_it_lives() -> None:
     store = _loose().store
-    first = store.dense_grad(0)
+    rows, values = torch.tensor([1, 1]), torch.ones(2, 3)
+    first = store.dense_grad(0, rows, values)[0]
+    torch.testing.assert_close(first[1], torch.full((3,), 2.0))
     first.fill_(7.0)
-    assert store.dense_grad(0) is first and not first.any()  # nothing else holds it: zeroed, reused
-    view = first[1:]
-    second = store.dense_grad(0)
-    assert second is not first and second.data_ptr() != first.data_ptr()
-    view.fill_(5.0)
-    assert not second.any()
-    del view, first
-    assert store.dense_grad(0) is second
+    ptr = first.data_ptr()
+    del first
+    again = store.dense_grad(0, rows, values)[0]  # nothing held it: the same memory, zeroed first
+    assert again.data_ptr() == ptr and again.sum() == 6.0
+    other = store.dense_grad(0, rows, 2 * values)[0]  # ``again`` still lives: new memory
+    assert other.data_ptr() != ptr
+    assert again.sum() == 6.0 and other.sum() == 12.0
+
+
+def test_copies_and_pickles_carry_no_gradient_buffer() -> None:
+    import copy
+    import io
+
+    v = _loose()
+    v.sparse_read(torch.tensor([1, 2])).sum().backward()
+    for s in v.variables:
+        s.grad = None
+    clone = copy.deepcopy(v)
+    (clone.sparse_read(torch.tensor([2])) * 3).sum().backward()
+    torch.testing.assert_close(clone.variables[0].grad[1], torch.full((3,), 3.0))
+    assert v.store._grads and not clone.store._grads
+    buffer = io.BytesIO()
+    torch.save(v, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert not loaded.store._grads
+    torch.testing.assert_close(loaded.sparse_read(torch.arange(9)), v.sparse_read(torch.arange(9)))

@@ -79,7 +79,7 @@ def scatter_grads(store: ShardStore, ids: torch.Tensor, grad: torch.Tensor, spar
             grads.update(store.split_sparse_grad(g, rows, part))
         else:
             # The one table-sized buffer, accumulated in place: it becomes the shards' .grad.
-            grads.update(store.split_grad(g, store.dense_grad(g).index_add_(0, rows, part)))
+            grads.update(store.dense_grad(g, rows, part))
     # A shard this lookup did not touch still gets a (zero) gradient, as its rows would in an
     # unsharded table: optimizers then step every shard exactly as they step the table.
     missing = store.zero_grads(sparse, skip=grads.keys())

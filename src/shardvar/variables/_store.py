@@ -14,6 +14,7 @@ and values, only their memory moves (``Tensor.set_``), so the fast path is the o
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -143,6 +144,15 @@ class ShardStore:
         self._signature = self._current_signature()
         self._routes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._grads: dict[int, torch.Tensor] = {}  # each group's last dense gradient, for reuse
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Reused gradient buffers belong to this process's backward passes, not to the variable:
+        # a copy or a pickle starts without them.
+        return {**self.__dict__, "_grads": {}, "_lock": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
 
     def _current_signature(self) -> list:
         # Where each shard's data lives: it moves with param.data = ..., module.to(...), set_(...).
@@ -235,22 +245,24 @@ class ShardStore:
             out[s] = piece if self.layout.axis == 0 else piece.movedim(0, self.layout.axis)
         return out
 
-    def dense_grad(self, g: int) -> torch.Tensor:
-        """A zeroed ``[rows, width]`` gradient for group ``g``: the last one this returned, once
-        nothing else holds its memory (``zero_grad()`` dropped it), else a new one.
+    def dense_grad(self, g: int, rows: torch.Tensor, values: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Group ``g``'s dense gradient, ``values`` added at group rows ``rows``, as one per member shard.
 
-        A new CPU gradient each step would be freed and mapped afresh by the C allocator every
-        time, its first touch faulting in the whole table's pages again (torch's CUDA allocator
-        caches, the CPU one does not); a reused one is only zeroed. It costs one gradient's memory
-        between backwards, which the step holds anyway.
+        Its memory is the last such gradient's once nothing else holds it (``zero_grad()`` dropped
+        it), zeroed; else new. A new CPU gradient each step would be freed and mapped afresh by the
+        C allocator every time, its first touch faulting in the table's pages again (torch's CUDA
+        allocator caches, the CPU one does not). It costs one gradient's memory between backwards.
         """
-        info, last = self.groups[g], self._grads.get(g)
-        if last is not None and last.device == info.device and _unshared(last):
-            return last.zero_()
-        grad = zeros((info.rows, self.width), dtype=self.dtype, device=info.device)
-        if info.device.type == "cpu":
-            self._grads[g] = grad
-        return grad
+        info = self.groups[g]
+        with self._lock:  # until the views exist, which mark the buffer taken for another thread
+            last = self._grads.get(g)
+            if last is not None and last.device == info.device and _unshared(last):
+                buffer = last.zero_()
+            else:
+                buffer = zeros((info.rows, self.width), dtype=self.dtype, device=info.device)
+                if info.device.type == "cpu":
+                    self._grads[g] = buffer
+            return self.split_grad(g, buffer.index_add_(0, rows, values))
 
     def split_sparse_grad(self, g: int, rows: torch.Tensor, values: torch.Tensor) -> dict[int, torch.Tensor]:
         """Sparse COO gradients per member shard from group rows ``rows`` and their ``values``."""
