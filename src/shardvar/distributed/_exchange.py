@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .._errors import ShardvarIndexError
-from .._pages import empty, empty_like
+from .._pages import empty_like
 from ..variables import ShardStore, functional
 from ._comm import Comm
 
@@ -120,7 +120,7 @@ class _ExchangeRows(torch.autograd.Function):
         width = store.width
         if local is None:
             local = torch.empty(0, width, dtype=store.dtype, device=ids.device)
-        back = empty((sum(send_list), width), dtype=store.dtype, device=ids.device)
+        back = store.recycler.take("exchange rows", (sum(send_list), width), store.dtype, ids.device)
         ex.comm.all_to_all(back, local.contiguous(), send_list, recv_list, "rows")
         rows = back if order.numel() < 2 else empty_like(back).index_copy_(0, order, back)
         return rows, order, recv_ids, torch.tensor(send_list), torch.tensor(recv_list)
@@ -140,7 +140,7 @@ class _ExchangeRows(torch.autograd.Function):
         order, recv_ids = ctx.saved_tensors
         send_list, recv_list = ctx.counts
         ex, store = ctx.ex, ctx.store
-        received = torch.empty(sum(recv_list), grad.shape[1], dtype=grad.dtype, device=grad.device)
+        received = store.recycler.take("exchange grads", (sum(recv_list), grad.shape[1]), grad.dtype, grad.device)
         send = grad if order.numel() < 2 else grad.index_select(0, order)
         ex.comm.all_to_all(received, send.contiguous(), recv_list, send_list, "gradients")
         grads = functional.scatter_grads(store, recv_ids, received, ctx.sparse) if store.local_shards() else {}

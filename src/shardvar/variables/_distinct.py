@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .._recycle import Recycler
 from ._gather import _plain, select_rows
 
 __all__ = ["Distinct", "distinct", "expand"]
@@ -52,25 +53,31 @@ def distinct(ids: torch.Tensor, bound: int, key: torch.Tensor | None = None) -> 
 
 
 class _Expand(torch.autograd.Function):
-    """``_Expand.apply(rows, distinct)``: ``rows[distinct.inverse]``; backward: segment sums."""
+    """``_Expand.apply(rows, inverse, order, offsets, recycler)``: ``rows[inverse]``; backward: segment sums."""
 
     @staticmethod
-    def forward(rows: torch.Tensor, inverse: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor) -> Any:
-        return select_rows(rows, inverse)
+    def forward(
+        rows: torch.Tensor, inverse: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, recycler: Any
+    ) -> Any:
+        if recycler is None or rows.device.type != "cpu":
+            return select_rows(rows, inverse)
+        out = recycler.take("lookup", (inverse.numel(), rows.shape[1]), rows.dtype, rows.device)
+        return torch.index_select(rows, 0, inverse, out=out)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        _, _, order, offsets = inputs
+        _, _, order, offsets, _ = inputs
         ctx.save_for_backward(order, offsets)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         order, offsets = ctx.saved_tensors
-        return F.embedding_bag(order, grad.contiguous(), offsets, mode="sum"), None, None, None
+        return F.embedding_bag(order, grad.contiguous(), offsets, mode="sum"), None, None, None, None
 
 
-def expand(rows: torch.Tensor, found: Distinct) -> torch.Tensor:
-    """Each id's row, ``rows[found.inverse]``, for ``rows`` of ``found.ids`` (2-D, one per distinct id)."""
+def expand(rows: torch.Tensor, found: Distinct, recycler: Recycler | None = None) -> torch.Tensor:
+    """Each id's row, ``rows[found.inverse]``, for ``rows`` of ``found.ids`` (2-D, one per distinct id);
+    its memory from ``recycler`` where given (the last lookup's, once nothing holds that)."""
     if rows.dim() == 2 and _plain(rows) and _plain(found.inverse):
-        return _Expand.apply(rows, found.inverse, found.order, found.offsets)
+        return _Expand.apply(rows, found.inverse, found.order, found.offsets, recycler)
     return F.embedding(found.inverse, rows)

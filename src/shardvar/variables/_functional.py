@@ -207,7 +207,7 @@ def embedding(
         ids, pad, clip, norm = _prepare(store, ids, padding_idx, max_norm, norm_type, sparse)
         src = _source(store, ids.reshape(-1), pad, clip, norm, sparse)
         if src.distinct is not None and not scale_grad_by_freq:
-            out = expand(src.weight, src.distinct)
+            out = expand(src.weight, src.distinct, store.recycler)
         else:
             out = _gather.embedding(
                 src.indices, src.weight, src.padding_idx, src.max_norm, norm, scale_grad_by_freq, src.sparse

@@ -14,7 +14,6 @@ and values, only their memory moves (``Tensor.set_``), so the fast path is the o
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +21,8 @@ from typing import Any
 import torch
 
 from .._errors import ShardvarDTypeError, ShardvarValueError
-from .._pages import empty, zeros, zeros_like
+from .._pages import empty, zeros_like
+from .._recycle import Recycler
 from .._validate import check_devices
 from ..layout import Layout
 from ._memory import adopt, as_slab, check_disjoint, where
@@ -143,16 +143,7 @@ class ShardStore:
         self.groups = tuple(groups)
         self._signature = self._current_signature()
         self._routes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._grads: dict[int, torch.Tensor] = {}  # each group's last dense gradient, for reuse
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Reused gradient buffers belong to this process's backward passes, not to the variable:
-        # a copy or a pickle starts without them.
-        return {**self.__dict__, "_grads": {}, "_lock": None}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, _lock=threading.Lock())
+        self.recycler = Recycler()  # per-step buffers of lookups and their gradients
 
     def _current_signature(self) -> list:
         # Where each shard's data lives: it moves with param.data = ..., module.to(...), set_(...).
@@ -248,21 +239,12 @@ class ShardStore:
     def dense_grad(self, g: int, rows: torch.Tensor, values: torch.Tensor) -> dict[int, torch.Tensor]:
         """Group ``g``'s dense gradient, ``values`` added at group rows ``rows``, as one per member shard.
 
-        Its memory is the last such gradient's once nothing else holds it (``zero_grad()`` dropped
-        it), zeroed; else new. A new CPU gradient each step would be freed and mapped afresh by the
-        C allocator every time, its first touch faulting in the table's pages again (torch's CUDA
-        allocator caches, the CPU one does not). It costs one gradient's memory between backwards.
+        Its memory is the last one's once nothing holds that (``zero_grad()`` dropped it): see
+        :mod:`shardvar._recycle`.
         """
         info = self.groups[g]
-        with self._lock:  # until the views exist, which mark the buffer taken for another thread
-            last = self._grads.get(g)
-            if last is not None and last.device == info.device and _unshared(last):
-                buffer = last.zero_()
-            else:
-                buffer = zeros((info.rows, self.width), dtype=self.dtype, device=info.device)
-                if info.device.type == "cpu":
-                    self._grads[g] = buffer
-            return self.split_grad(g, buffer.index_add_(0, rows, values))
+        grad = self.recycler.take(("grad", g), (info.rows, self.width), self.dtype, info.device, zero=True)
+        return self.split_grad(g, grad.index_add_(0, rows, values))
 
     def split_sparse_grad(self, g: int, rows: torch.Tensor, values: torch.Tensor) -> dict[int, torch.Tensor]:
         """Sparse COO gradients per member shard from group rows ``rows`` and their ``values``."""
@@ -306,11 +288,6 @@ class ShardStore:
             f"ShardStore(shape={list(self.shape)}, dtype={self.dtype}, layout={self.layout}, "
             f"local={list(self._shards)}, groups={len(self.groups)}, slabs={slabs})"
         )
-
-
-def _unshared(t: torch.Tensor) -> bool:
-    # The storage's references: ``t`` and the storage object asked here, nothing else (no view, no .grad).
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) == 2
 
 
 def _member(rows: torch.Tensor, sizes: list[int], starts: torch.Tensor) -> torch.Tensor:
