@@ -4,8 +4,10 @@
 gradient copied to every id in it, 20 copies for bags of 20), which the optimizer then sorts and
 sums again. Here the gradient of the distinct rows is computed at once as ``S @ grad_bags``,
 ``S[u, b]`` being the weight of row ``u`` in bag ``b`` (its per-sample weights summed, divided by
-the bag's length for mean bags): the work is one sort of the ids and one pass over them, never a
-per-id copy of the gradient, and the result is coalesced.
+the bag's length for mean bags). That product is itself a pooled lookup: once the ids are sorted,
+the ids of each distinct row are a "bag" of bag numbers, and ``F.embedding_bag`` over the bags'
+gradient sums them (FBGEMM's kernel, as its CPU backward does). The work is one radix sort of the
+ids and one pass over them, never a per-id copy of the gradient, and the result is coalesced.
 """
 
 from __future__ import annotations
@@ -37,15 +39,20 @@ def row_gradient(
     """The coalesced sparse gradient of the weight: for each distinct row, the sum over the bags holding it."""
     n = rows.numel()
     bag, lengths = _bag_of(offsets, n)
-    weight = scale if scale is not None else torch.ones(n, dtype=grad.dtype, device=grad.device)
+    weight = scale
     if mode == "mean":
-        weight = weight / lengths.clamp(min=1).to(grad.dtype).index_select(0, bag)
-    unique, inverse = torch.unique(rows, return_inverse=True)
-    product = torch.sparse_coo_tensor(
-        torch.stack([inverse, bag]), weight, (unique.numel(), offsets.numel()), check_invariants=False
+        share = lengths.clamp(min=1).to(grad.dtype).reciprocal_().index_select(0, bag)
+        weight = share if weight is None else weight * share
+    # A stable sort takes torch's radix path; 32-bit keys halve its passes over memory.
+    keys = rows.to(torch.int32) if shape[0] <= torch.iinfo(torch.int32).max else rows
+    ordered, order = torch.sort(keys, stable=True)
+    unique, counts = torch.unique_consecutive(ordered, return_counts=True)
+    starts = counts.cumsum(0).sub_(counts)
+    psw = weight.index_select(0, order) if weight is not None else None
+    summed = F.embedding_bag(bag.index_select(0, order), grad, starts, mode="sum", per_sample_weights=psw)
+    return torch.sparse_coo_tensor(
+        unique.to(torch.int64)[None], summed, shape, is_coalesced=True, check_invariants=False
     )
-    summed = torch.sparse.mm(product, grad)
-    return torch.sparse_coo_tensor(unique[None], summed, shape, is_coalesced=True, check_invariants=False)
 
 
 class _SparseBag(torch.autograd.Function):

@@ -29,13 +29,15 @@ Update = Callable[[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, int, dic
 def _sparse_rows(table: Table, s: int, x: torch.Tensor, first: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Slab rows and gradient rows of shard ``s``'s sparse gradient ``x`` (duplicates kept), range-checked."""
     local = x._indices()[0]
-    if local.numel() and (int(local.min()) < 0 or int(local.max()) >= table.store.layout.sizes[s]):
+    # A coalesced gradient's rows ascend (its two ends bound them): no pass over them all.
+    ends = (local[0], local[-1]) if x.is_coalesced() and local.numel() else local.aminmax() if local.numel() else ()
+    if ends and (int(ends[0]) < 0 or int(ends[1]) >= table.store.layout.sizes[s]):
         raise ShardvarIndexError(f"table {table.name!r}: shard {s} has a sparse gradient for rows outside it")
     return first + step * local, x._values().reshape(local.numel(), table.store.width)
 
 
-def _summed(rows: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all()):
+def _summed(rows: torch.Tensor, values: torch.Tensor, distinct: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    if distinct or rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all()):
         return rows, values  # one row each already (a collection's gradient is summed per row): nothing to add
     unique, inverse = torch.unique(rows, return_inverse=True)
     out = zeros((unique.numel(), values.shape[1]), dtype=values.dtype, device=values.device)
@@ -188,7 +190,7 @@ class TableOptimizer(torch.optim.Optimizer):
         if x.is_sparse:
             rows, values = _sparse_rows(t, s, x, first, stride)
             if not self.linear(group):
-                rows, values = _summed(rows, values)
+                rows, values = _summed(rows, values, x.is_coalesced())
             self._apply(t, group, g, rows, values, step, True)
             return
         size = store.layout.sizes[s]

@@ -45,7 +45,7 @@ class SlabView(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         store: ShardStore = ctx.store
         if grad.layout == torch.sparse_coo:
-            grads = store.split_sparse_grad(0, grad._indices()[0], grad._values())
+            grads = store.split_sparse_grad(0, grad._indices()[0], grad._values(), grad.is_coalesced())
         else:
             grads = store.split_grad(0, grad)
         return (None, *_ordered(store, grads))

@@ -233,12 +233,25 @@ class ShardStore:
             out[s] = piece if self.layout.axis == 0 else piece.movedim(0, self.layout.axis)
         return out
 
-    def split_sparse_grad(self, g: int, rows: torch.Tensor, values: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Sparse COO gradients per member shard from group rows ``rows`` and their ``values``."""
+    def split_sparse_grad(
+        self, g: int, rows: torch.Tensor, values: torch.Tensor, coalesced: bool = False
+    ) -> dict[int, torch.Tensor]:
+        """Sparse COO gradients per member shard from group rows ``rows`` and their ``values``.
+
+        ``coalesced``: the rows are distinct and ascending (a collection's summed gradient); with
+        the members back to back, each member's rows are then one run, cut out as views.
+        """
         group = self.groups[g]
         if len(group.members) == 1:
             s = group.members[0]
-            return {s: _sparse(rows, values, self.layout.sizes[s])}
+            return {s: _sparse(rows, values, self.layout.sizes[s], coalesced)}
+        if coalesced and all(step == 1 for step in group.steps):
+            starts = torch.tensor(group.starts, dtype=rows.dtype, device=rows.device)
+            cuts = torch.searchsorted(rows, starts).tolist() + [rows.numel()]
+            return {
+                s: _sparse(rows[a:b] - first, values[a:b], self.layout.sizes[s], True)
+                for s, first, a, b in zip(group.members, group.starts, cuts[:-1], cuts[1:], strict=True)
+            }
         if group.steps[0] > 1:  # interleaved: row r is shard r % n's row r // n
             member, local = rows.remainder(group.steps[0]), rows.div(group.steps[0], rounding_mode="floor")
         else:
@@ -314,5 +327,6 @@ def _empty_shards(
     return list(slab.split(rows)) if members else []
 
 
-def _sparse(rows: torch.Tensor, values: torch.Tensor, num_rows: int) -> torch.Tensor:
-    return torch.sparse_coo_tensor(rows.unsqueeze(0), values, (num_rows, values.shape[1]), check_invariants=False)
+def _sparse(rows: torch.Tensor, values: torch.Tensor, num_rows: int, coalesced: bool = False) -> torch.Tensor:
+    shape = (num_rows, values.shape[1])
+    return torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, is_coalesced=coalesced, check_invariants=False)
