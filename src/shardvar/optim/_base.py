@@ -29,19 +29,35 @@ Update = Callable[[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, int, dic
 def _sparse_rows(table: Table, s: int, x: torch.Tensor, first: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Slab rows and gradient rows of shard ``s``'s sparse gradient ``x`` (duplicates kept), range-checked."""
     local = x._indices()[0]
-    # A coalesced gradient's rows ascend (its two ends bound them): no pass over them all.
-    ends = (local[0], local[-1]) if x.is_coalesced() and local.numel() else local.aminmax() if local.numel() else ()
-    if ends and (int(ends[0]) < 0 or int(ends[1]) >= table.store.layout.sizes[s]):
+    if local.numel() and (int(local.min()) < 0 or int(local.max()) >= table.store.layout.sizes[s]):
         raise ShardvarIndexError(f"table {table.name!r}: shard {s} has a sparse gradient for rows outside it")
     return first + step * local, x._values().reshape(local.numel(), table.store.width)
 
 
-def _summed(rows: torch.Tensor, values: torch.Tensor, distinct: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    if distinct or rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all()):
+def _summed(rows: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all()):
         return rows, values  # one row each already (a collection's gradient is summed per row): nothing to add
     unique, inverse = torch.unique(rows, return_inverse=True)
     out = zeros((unique.numel(), values.shape[1]), dtype=values.dtype, device=values.device)
     return unique, out.index_add_(0, inverse, values)
+
+
+def sparse_group_grad(
+    table: Table, g: int, grads: dict[int, torch.Tensor | None], summed: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slab rows, gradient rows) of group ``g`` from sparse gradients of its members (by member position).
+
+    Members back to back, each with distinct ascending rows (a collection's), give ascending rows:
+    nothing to sum then.
+    """
+    group = table.store.groups[g]
+    found = [
+        _sparse_rows(table, group.members[k], x, group.starts[k], group.steps[k])
+        for k, x in sorted(grads.items())
+        if x is not None
+    ]
+    rows, values = torch.cat([r for r, _ in found]), torch.cat([v for _, v in found])
+    return (rows, values) if not summed else _summed(rows, values)
 
 
 def _slab_grad(table: Table, g: int, summed: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -56,13 +72,7 @@ def _slab_grad(table: Table, g: int, summed: bool = True) -> tuple[torch.Tensor 
     if all(x is None for x in grads):
         return None, None
     if any(x is not None and x.is_sparse for x in grads):
-        found = [
-            _sparse_rows(table, s, x, first, step)
-            for s, x, first, step in zip(group.members, grads, group.starts, group.steps, strict=True)
-            if x is not None
-        ]
-        rows, values = torch.cat([r for r, _ in found]), torch.cat([v for _, v in found])
-        return (rows, values) if not summed else _summed(rows, values)
+        return sparse_group_grad(table, g, dict(enumerate(grads)), summed)
     dense = zeros_like(store.group_rows(g))
     for view, x in zip(store.split_grad(g, dense).values(), grads, strict=True):
         if x is not None:
@@ -179,6 +189,11 @@ class TableOptimizer(torch.optim.Optimizer):
         for slot, x in state.items():
             x.index_copy_(0, rows, s[slot])
 
+    def _update_sparse(self, t: Table, group: dict, g: int, grads: dict[int, torch.Tensor], step: int) -> None:
+        """Update group ``g`` of table ``t`` from its members' sparse gradients (by member position)."""
+        rows, values = sparse_group_grad(t, g, grads, summed=not self.linear(group))
+        self._apply(t, group, g, rows, values, step, True)
+
     def _update_member(self, t: Table, group: dict, g: int, k: int, step: int) -> None:
         """Update member ``k`` of group ``g`` from its own gradient (the fused path, one shard at a time)."""
         store = t.store
@@ -188,10 +203,7 @@ class TableOptimizer(torch.optim.Optimizer):
         if x is None:
             return
         if x.is_sparse:
-            rows, values = _sparse_rows(t, s, x, first, stride)
-            if not self.linear(group):
-                rows, values = _summed(rows, values, x.is_coalesced())
-            self._apply(t, group, g, rows, values, step, True)
+            self._update_sparse(t, group, g, {k: x}, step)
             return
         size = store.layout.sizes[s]
         rows = first + stride * torch.arange(size, device=x.device)
