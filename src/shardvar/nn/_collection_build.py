@@ -10,6 +10,7 @@ the one its own constructor draws, at the tables' memory plus one piece.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -42,9 +43,9 @@ def _draw(store: ShardStore) -> None:
     """``nn.init.normal_`` of the logical table, written into the store's rows piece by piece."""
     rows, width = store.shape[0], store.width
     step = max(16, PIECE_BYTES // max(width * store.dtype.itemsize, 1) // 16 * 16)  # whole 16-value blocks
-    cuts = list(range(0, rows, step))[: max(rows // step, 1)] + [rows]  # the last piece takes the rest
+    cuts = [*list(range(0, rows, step))[: max(rows // step, 1)], rows]  # the last piece takes the rest
     slab = store.full_slab
-    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+    for a, b in itertools.pairwise(cuts):
         if store.logical_slab:
             nn.init.normal_(slab[a:b])
             continue

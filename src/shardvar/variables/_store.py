@@ -13,6 +13,7 @@ and values, only their memory moves (``Tensor.set_``), so the fast path is the o
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -247,10 +248,10 @@ class ShardStore:
             return {s: _sparse(rows, values, self.layout.sizes[s], coalesced)}
         if coalesced and all(step == 1 for step in group.steps):
             starts = torch.tensor(group.starts, dtype=rows.dtype, device=rows.device)
-            cuts = torch.searchsorted(rows, starts).tolist() + [rows.numel()]
+            cuts = [*torch.searchsorted(rows, starts).tolist(), rows.numel()]
             return {
                 s: _sparse(rows[a:b] - first, values[a:b], self.layout.sizes[s], True)
-                for s, first, a, b in zip(group.members, group.starts, cuts[:-1], cuts[1:], strict=True)
+                for s, first, (a, b) in zip(group.members, group.starts, itertools.pairwise(cuts), strict=True)
             }
         if group.steps[0] > 1:  # interleaved: row r is shard r % n's row r // n
             member, local = rows.remainder(group.steps[0]), rows.div(group.steps[0], rounding_mode="floor")
