@@ -278,7 +278,8 @@ def _lookup_group(
     if pooling(table) is None:  # a sequence collection: every id's row, bag by bag
         return jagged_split(F.embedding(rows, weight, sparse=table.sparse), offs, counts, present)
     if table.sparse and table.mode != "max":  # each distinct row's gradient, summed over its bags at once
-        pooled = sparse_bag(rows, weight, offs, table.mode, psw)
+        sinks = [(starts[n], starts[n] + tables[n].num_embeddings, tables[n].store.sink) for n in names]
+        pooled = sparse_bag(rows, weight, offs, table.mode, psw, [x for x in sinks if x[2] is not None])
     else:
         pooled = F.embedding_bag(rows, weight, offs, mode=table.mode, sparse=table.sparse, per_sample_weights=psw)
     return dict(zip(present, pooled.split(counts), strict=True))

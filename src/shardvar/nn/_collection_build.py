@@ -23,7 +23,7 @@ from ..variables import ShardStore, to_layout
 
 __all__ = ["build_tables"]
 
-PIECE_BYTES = 16 << 20  # the most drawn outside the tables at once (mod shards: logical rows are scattered)
+PIECE_BYTES = 1 << 20  # the most drawn outside the tables at once (mod shards: logical rows are scattered)
 
 
 def _store_over(slab: torch.Tensor, first: int, layout: Layout, shape: tuple[int, int]) -> ShardStore:

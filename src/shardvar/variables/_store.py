@@ -83,6 +83,9 @@ class ShardStore:
         self.dtype = _check_shards(self._shards, layout, self.shape) if self._shards else (dtype or torch.float32)
         self.adopt = adopt
         self.exchange: Any = None  # set by the distributed layer: fetches rows owned elsewhere
+        # Set by a fused optimizer: ``sink(full slab rows, their summed gradient)`` updates those rows
+        # in backward; a collection's sparse backward hands a table's rows to it, not to .grad.
+        self.sink: Any = None
         self._build()
 
     # -- construction ---------------------------------------------------------------------------
