@@ -1,24 +1,29 @@
 """The fused training step of a collection against plain torch (issue 25, part 6), measured interleaved.
 
-    python benchmarks/bench_fused_step.py [--tables 8] [--rows-log2 16] [--dim 64] [--batch 2048] [--shards 1]
-                                          [--rounds 5] [--quick]
+    python benchmarks/bench_fused_step.py [--tables 8] [--rows-log2 18] [--dim 64] [--batch 4096] [--ids 20]
+                                          [--shards 1,8] [--optimizers adagrad,adam] [--rounds 5] [--quick]
 
-Three steps (forward, backward, row-wise Adagrad update), each round timing every one in turn:
-- ``plain``: ``--tables`` ``nn.EmbeddingBag(sparse=True)`` and ``torch.optim.Adagrad`` (the baseline);
-- ``shardvar``: ``EmbeddingBagCollection(sparse=True)`` with the fused ``RowWiseAdagrad``, whose
-  backward sums each distinct row's gradient over its bags at once (a sparse product);
-- ``per-id``: the same with torch's ``embedding_bag`` backward (a gradient row per id, summed later),
-  the path before the sparse product.
-Ratios are to ``plain`` in the same round: median and range (min-max) over the rounds. Ids are
-Zipf (exponent 1.05), ~``--ids`` per bag, as in the issue (8 x 2^18 x 64, batch 4096, 20 ids: use
-``--rows-log2 18 --batch 4096``).
+For each optimizer and shard count, two models over the same Zipf ids (exponent 1.05, ``--ids``
+per bag, sum pooling; the defaults are the issue's 8 x 2^18 x 64, batch 4096, 20 ids):
+- ``plain``: ``--tables`` ``nn.EmbeddingBag(sparse=True)`` with ``torch.optim.Adagrad`` (adagrad)
+  or ``torch.optim.SparseAdam`` (adam): the baseline;
+- ``shardvar``: ``EmbeddingBagCollection(sparse=True)`` of ``--shards`` mod shards per table with
+  ``RowWiseAdagrad`` / ``RowWiseAdam`` fused into backward.
+Each round times the forward and the training step (forward, backward, update) of both, in turn;
+ratios are to ``plain`` in the same round: median and range (min-max) over the rounds. Memory is
+measured in a fresh process per model (peak RSS, ``VmHWM``): building the tables, against their
+size; and three training steps, against the tables plus the optimizer's state (RowWiseAdam keeps
+an element-wise first moment: its state is the tables' size again).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,71 +34,161 @@ from torch.utils import benchmark
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import print_table, zipf_ids
 
-import shardvar.nn._collection as collection
 import shardvar.optim as so
 from shardvar import EmbeddingBagCollection, TableConfig
 
+OURS = {"adagrad": so.RowWiseAdagrad, "adam": so.RowWiseAdam}
+PLAIN: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.01),
+    "adam": lambda p: torch.optim.SparseAdam(p, lr=0.01),
+}
 
-def per_id_bag(
-    rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, mode: str, psw: torch.Tensor | None
-) -> torch.Tensor:
-    """The backward before the sparse product (torch's: a gradient row per id), for comparison."""
-    return nn.functional.embedding_bag(rows, weight, offsets, mode=mode, sparse=True, per_sample_weights=psw)
+
+class Setup:
+    """The inputs of every step: ids per table, offsets and the gradient of the bags."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.rows = args, 1 << args.rows_log2
+        self.names = [f"t{i}" for i in range(args.tables)]
+        self.ids = {k: zipf_ids(args.batch * args.ids, self.rows, seed=i) for i, k in enumerate(self.names)}
+        self.offsets = torch.arange(args.batch) * args.ids
+        self.grad = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(0))
+        self.table_bytes = args.tables * self.rows * args.dim * 4
+
+    def build(self, which: str, shards: int) -> nn.Module:
+        a = self.args
+        if which == "plain":
+            return nn.ModuleDict({k: nn.EmbeddingBag(self.rows, a.dim, mode="sum", sparse=True) for k in self.names})
+        configs = {k: TableConfig(self.rows, a.dim, shards, "mod") for k in self.names}
+        return EmbeddingBagCollection(configs, sparse=True)
+
+    def optimizer(self, which: str, opt: str, model: nn.Module) -> torch.optim.Optimizer:
+        if which == "plain":
+            return PLAIN[opt](list(model.parameters()))
+        optimizer = OURS[opt](model, lr=0.01)
+        so.fuse(optimizer)
+        return optimizer
+
+    def steps(self, which: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Callable, Callable]:
+        """(forward, training step) of one model."""
+        names, ids, offsets, grad = self.names, self.ids, self.offsets, self.grad
+        if which == "plain":
+
+            def forward() -> list[torch.Tensor]:
+                return [model[k](ids[k], offsets) for k in names]
+        else:
+
+            def forward() -> list[torch.Tensor]:
+                return list(model(ids, dict.fromkeys(names, offsets)).values())
+
+        def step() -> None:
+            sum((v * grad).sum() for v in forward()).backward()
+            optimizer.step()  # the fused one has nothing left to do, as a training loop calls it anyway
+            optimizer.zero_grad()
+
+        return forward, step
+
+
+def _rss(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith(key)).split()[1]) * 1024
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    if isinstance(optimizer, so.TableOptimizer):
+        return optimizer.state_bytes
+    tensors = [x for state in optimizer.state.values() for x in state.values() if isinstance(x, torch.Tensor)]
+    return sum(x.numel() * x.element_size() for x in tensors if x.dim())  # not the step counts
+
+
+def child_memory(setup: Setup, which: str, opt: str, shards: int) -> dict[str, float]:
+    """Peak RSS growth of building the tables, then of three training steps (in this fresh process)."""
+    torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)  # torch.optim's first use imports ~70 MiB of modules
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak from here on
+    before = _rss("VmRSS")
+    model = setup.build(which, shards)
+    build = _rss("VmHWM") - before
+    optimizer = setup.optimizer(which, opt, model)
+    _, step = setup.steps(which, model, optimizer)
+    step()  # torch's SparseAdam makes its state at the first step
+    state = _state_bytes(optimizer)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    for _ in range(3):
+        step()
+    train = _rss("VmHWM") - before
+    return {"build": build / setup.table_bytes, "train": train / (setup.table_bytes + state),
+            "state": state / setup.table_bytes}  # fmt: skip
+
+
+def memory(setup: Setup, which: str, opt: str, shards: int) -> dict[str, float]:
+    if setup.args.quick:  # a check that it runs: in this process, whose peak says nothing
+        return child_memory(setup, which, opt, shards)
+    cmd = [sys.executable, __file__, *sys.argv[1:], "--child", f"{which},{opt},{shards}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def timings(setup: Setup, opt: str, shards: int, rounds: int) -> dict[str, list[float]]:
+    """Times (ms) of forward and step, plain and shardvar, interleaved round by round."""
+    fns: dict[str, Callable] = {}
+    for which in ("plain", "shardvar"):
+        model = setup.build(which, shards)
+        forward, step = setup.steps(which, model, setup.optimizer(which, opt, model))
+        fns[f"{which} forward"], fns[f"{which} step"] = forward, step
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for label, fn in fns.items():
+            timer = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+            times[label].append(timer.timeit(2).median * 1e3)
+    return times
+
+
+def _spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tables", type=int, default=8)
-    parser.add_argument("--rows-log2", type=int, default=16)
+    parser.add_argument("--rows-log2", type=int, default=18)
     parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=4096)
     parser.add_argument("--ids", type=int, default=20, help="ids per bag")
-    parser.add_argument("--shards", type=int, default=1, help="mod shards per table")
+    parser.add_argument("--shards", default="1,8", help="mod shards per table, comma-separated")
+    parser.add_argument("--optimizers", default="adagrad,adam", help=f"of {sorted(OURS)}, comma-separated")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (a check that it runs)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # which,optimizer,shards: one memory measurement
     args = parser.parse_args()
     if args.quick:
         args.tables, args.rows_log2, args.batch, args.rounds = 2, 10, 64, 1
-    rows, n = 1 << args.rows_log2, args.batch * args.ids
-    names = [f"t{i}" for i in range(args.tables)]
-    ids = {k: zipf_ids(n, rows, seed=i) for i, k in enumerate(names)}
-    offsets = torch.arange(args.batch) * args.ids
-    grad = torch.randn(args.batch, args.dim)
-
-    torch.manual_seed(0)
-    plain = nn.ModuleDict({k: nn.EmbeddingBag(rows, args.dim, mode="sum", sparse=True) for k in names})
-    plain_opt = torch.optim.Adagrad(plain.parameters(), lr=0.01)
-    ebc = EmbeddingBagCollection({k: TableConfig(rows, args.dim, args.shards, "mod") for k in names}, sparse=True)
-    so.fuse(so.RowWiseAdagrad(ebc, lr=0.01))
-
-    def plain_step() -> None:
-        sum((plain[k](ids[k], offsets) * grad).sum() for k in names).backward()
-        plain_opt.step()
-        plain_opt.zero_grad()
-
-    def ours_step() -> None:
-        sum((v * grad).sum() for v in ebc(ids, dict.fromkeys(names, offsets)).values()).backward()
-
-    def per_id_step() -> None:
-        collection.sparse_bag, kept = per_id_bag, collection.sparse_bag
-        try:
-            ours_step()
-        finally:
-            collection.sparse_bag = kept
-
-    steps: dict[str, Callable[[], None]] = {"plain": plain_step, "shardvar": ours_step, "per-id": per_id_step}
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(args.rounds):  # interleaved: each round times every step once more
-        for label, fn in steps.items():
-            times[label].append(benchmark.Timer("fn()", globals={"fn": fn}).timeit(3).median * 1e3)
-    table = []
-    for label in steps:
-        ratios = [t / p for t, p in zip(times[label], times["plain"], strict=True)]
-        table.append([label, f"{statistics.median(times[label]):.1f}", f"{statistics.median(ratios):.2f}",
-                      f"{min(ratios):.2f}-{max(ratios):.2f}"])  # fmt: skip
-    print(f"{args.tables} tables x 2^{args.rows_log2} x {args.dim}, batch {args.batch}, {args.ids} Zipf ids per bag, "
-          f"{args.shards} shard(s) per table, {args.rounds} rounds, {torch.get_num_threads()} thread(s)")  # fmt: skip
-    print_table(["step", "median ms", "ratio to plain", "range"], table)
+    warnings.filterwarnings("ignore", "Sparse invariant checks")
+    setup = Setup(args)
+    if args.child:
+        which, opt, shards = args.child.split(",")
+        print(json.dumps(child_memory(setup, which, opt, int(shards))))
+        return
+    rows = []
+    for opt in args.optimizers.split(","):
+        for shards in map(int, args.shards.split(",")):
+            t = timings(setup, opt, shards, args.rounds)
+            fwd = [a / b for a, b in zip(t["shardvar forward"], t["plain forward"], strict=True)]
+            step = [a / b for a, b in zip(t["shardvar step"], t["plain step"], strict=True)]
+            mem = {w: memory(setup, w, opt, shards) for w in ("shardvar", "plain")}
+            rows.append([f"{opt}, {shards} shard(s)", _spread(fwd), _spread(step),
+                         f"{statistics.median(t['shardvar step']):.0f} / {statistics.median(t['plain step']):.0f}",
+                         f"{mem['shardvar']['train']:.2f} ({mem['plain']['train']:.2f})",
+                         f"{mem['shardvar']['build']:.2f} ({mem['plain']['build']:.2f})",
+                         f"{mem['shardvar']['state']:.2f} ({mem['plain']['state']:.2f})"])  # fmt: skip
+    a = args
+    print(f"{a.tables} tables x 2^{a.rows_log2} x {a.dim} ({setup.table_bytes >> 20} MiB), batch {a.batch}, "
+          f"{a.ids} Zipf ids per bag, {a.rounds} rounds, {torch.get_num_threads()} thread(s); "
+          "ratios to plain torch in the same round: median [min-max]; memory: shardvar (plain)")  # fmt: skip
+    heads = ["optimizer, shards per table", "forward ratio", "step ratio", "step ms (ours / plain)",
+             "train peak / (tables+state)", "build peak / tables", "state / tables"]  # fmt: skip
+    print_table(heads, rows)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
         ("bench_dynamic.py", ["lookup, dim 16", "insert", "memory per row of capacity"]),
         ("bench_quantized.py", ["int8, 8 shards", "fp32 / this", "Zipf(1.05) ids"]),
         ("bench_optim.py", ["RowWiseAdagrad vs SparseAdam", "RowWiseAdagrad state / table", "peak of 3 steps"]),
-        ("bench_fused_step.py", ["ratio to plain", "per-id"]),
+        ("bench_fused_step.py", ["step ratio", "build peak / tables", "adam, 8 shard(s)"]),
         ("bench_distributed.py", ["2 ranks, dense", "2 ranks, dtensor", "one process, sparse", "x the bound"]),
     ],
 )

@@ -25,7 +25,9 @@ from .._validate import check_choice, check_int
 from ..layout import Layout, as_ids, check_ids
 from ..variables import ShardedVariable
 from ..variables._functional import _check_bag, slab_weight
+from ..variables._memory import as_slab
 from ._bag_grad import sparse_bag
+from ._collection_build import build_tables
 from ._embedding import ShardedEmbedding, ShardedEmbeddingBag
 from ._jagged import KeyedJagged, check_names, jagged_split
 
@@ -117,20 +119,14 @@ class EmbeddingBagCollection(nn.Module):
         super().__init__()
         check_tables(tables, sparse, pooled=True)
         self.feature_tables = feature_map(tables)
-        self.embedding_bags = nn.ModuleDict(
-            {
-                name: ShardedEmbeddingBag(
-                    cfg.num_embeddings,
-                    cfg.embedding_dim,
-                    cfg.partitioner,
-                    cfg.partition_strategy,
-                    mode=cfg.mode,
-                    sparse=sparse,
-                    dtype=dtype,
-                )
-                for name, cfg in tables.items()
-            }
-        )
+
+        def make(cfg: TableConfig, store: Any) -> ShardedEmbeddingBag:
+            return ShardedEmbeddingBag(
+                cfg.num_embeddings, cfg.embedding_dim, cfg.partitioner, cfg.partition_strategy, mode=cfg.mode,
+                sparse=sparse, dtype=dtype, _store=store,
+            )  # fmt: skip
+
+        self.embedding_bags = nn.ModuleDict(build_tables(tables, make, dtype))
         self._groups = batch_tables(self.embedding_bags)
 
     def forward(
@@ -180,17 +176,22 @@ def batch_tables(bags: Mapping[str, Table]) -> list[tuple[list[str], ShardedVari
         if any(p.device != device for p in shards):
             groups += [([n], None) for n in names]  # tables on several devices: one by one
             continue
-        slab = empty((sum(p.shape[0] for p in shards), dim), dtype=dtype, device=device)
-        start = 0
-        with torch.no_grad():
-            for p in shards:
-                slab[start : start + p.shape[0]].copy_(p)
-                p.set_(slab.untyped_storage(), start * dim, p.shape, p.stride())
-                start += p.shape[0]
-        for n in names:  # each table's store lets go of its own allocation: the tables are held once
-            bags[n].store.refresh()
+        if as_slab(list(shards), interleaved=False) is None:  # not built in one allocation: moved into one
+            _move_into_one(shards, dim, dtype, device)
+            for n in names:  # each table's store lets go of its own allocation: the tables are held once
+                bags[n].store.refresh()
         groups.append((names, ShardedVariable(shards)))
     return groups
+
+
+def _move_into_one(shards: list[torch.Tensor], dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    slab = empty((sum(p.shape[0] for p in shards), dim), dtype=dtype, device=device)
+    start = 0
+    with torch.no_grad():
+        for p in shards:
+            slab[start : start + p.shape[0]].copy_(p)
+            p.set_(slab.untyped_storage(), start * dim, p.shape, p.stride())
+            start += p.shape[0]
 
 
 def lookup_tables(
@@ -277,7 +278,8 @@ def _lookup_group(
     if pooling(table) is None:  # a sequence collection: every id's row, bag by bag
         return jagged_split(F.embedding(rows, weight, sparse=table.sparse), offs, counts, present)
     if table.sparse and table.mode != "max":  # each distinct row's gradient, summed over its bags at once
-        pooled = sparse_bag(rows, weight, offs, table.mode, psw)
+        sinks = [(starts[n], starts[n] + tables[n].num_embeddings, tables[n].store.sink) for n in names]
+        pooled = sparse_bag(rows, weight, offs, table.mode, psw, [x for x in sinks if x[2] is not None])
     else:
         pooled = F.embedding_bag(rows, weight, offs, mode=table.mode, sparse=table.sparse, per_sample_weights=psw)
     return dict(zip(present, pooled.split(counts), strict=True))

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ._collection import TableConfig, batch_tables, check_tables, feature_map, lookup_tables
+from ._collection_build import build_tables
 from ._embedding import ShardedEmbedding
 from ._jagged import JaggedRows, KeyedJagged
 
@@ -39,15 +40,14 @@ class EmbeddingCollection(nn.Module):
         super().__init__()
         check_tables(tables, sparse, pooled=False)
         self.feature_tables = feature_map(tables)
-        self.embeddings = nn.ModuleDict(
-            {
-                name: ShardedEmbedding(
-                    cfg.num_embeddings, cfg.embedding_dim, cfg.partitioner, cfg.partition_strategy, sparse=sparse,
-                    dtype=dtype,
-                )
-                for name, cfg in tables.items()
-            }
-        )  # fmt: skip
+
+        def make(cfg: TableConfig, store: Any) -> ShardedEmbedding:
+            return ShardedEmbedding(
+                cfg.num_embeddings, cfg.embedding_dim, cfg.partitioner, cfg.partition_strategy, sparse=sparse,
+                dtype=dtype, _store=store,
+            )  # fmt: skip
+
+        self.embeddings = nn.ModuleDict(build_tables(tables, make, dtype))
         self._groups = batch_tables(self.embeddings)
 
     def forward(

@@ -42,6 +42,24 @@ def _summed(rows: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, tor
     return unique, out.index_add_(0, inverse, values)
 
 
+def sparse_group_grad(
+    table: Table, g: int, grads: dict[int, torch.Tensor | None], summed: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slab rows, gradient rows) of group ``g`` from sparse gradients of its members (by member position).
+
+    Members back to back, each with distinct ascending rows (a collection's), give ascending rows:
+    nothing to sum then.
+    """
+    group = table.store.groups[g]
+    found = [
+        _sparse_rows(table, group.members[k], x, group.starts[k], group.steps[k])
+        for k, x in sorted(grads.items())
+        if x is not None
+    ]
+    rows, values = torch.cat([r for r, _ in found]), torch.cat([v for _, v in found])
+    return (rows, values) if not summed else _summed(rows, values)
+
+
 def _slab_grad(table: Table, g: int, summed: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(distinct slab rows, their summed gradient) when sparse, (None, dense slab gradient), or (None, None).
 
@@ -54,13 +72,7 @@ def _slab_grad(table: Table, g: int, summed: bool = True) -> tuple[torch.Tensor 
     if all(x is None for x in grads):
         return None, None
     if any(x is not None and x.is_sparse for x in grads):
-        found = [
-            _sparse_rows(table, s, x, first, step)
-            for s, x, first, step in zip(group.members, grads, group.starts, group.steps, strict=True)
-            if x is not None
-        ]
-        rows, values = torch.cat([r for r, _ in found]), torch.cat([v for _, v in found])
-        return (rows, values) if not summed else _summed(rows, values)
+        return sparse_group_grad(table, g, dict(enumerate(grads)), summed)
     dense = zeros_like(store.group_rows(g))
     for view, x in zip(store.split_grad(g, dense).values(), grads, strict=True):
         if x is not None:
@@ -177,6 +189,11 @@ class TableOptimizer(torch.optim.Optimizer):
         for slot, x in state.items():
             x.index_copy_(0, rows, s[slot])
 
+    def _update_sparse(self, t: Table, group: dict, g: int, grads: dict[int, torch.Tensor], step: int) -> None:
+        """Update group ``g`` of table ``t`` from its members' sparse gradients (by member position)."""
+        rows, values = sparse_group_grad(t, g, grads, summed=not self.linear(group))
+        self._apply(t, group, g, rows, values, step, True)
+
     def _update_member(self, t: Table, group: dict, g: int, k: int, step: int) -> None:
         """Update member ``k`` of group ``g`` from its own gradient (the fused path, one shard at a time)."""
         store = t.store
@@ -186,10 +203,7 @@ class TableOptimizer(torch.optim.Optimizer):
         if x is None:
             return
         if x.is_sparse:
-            rows, values = _sparse_rows(t, s, x, first, stride)
-            if not self.linear(group):
-                rows, values = _summed(rows, values)
-            self._apply(t, group, g, rows, values, step, True)
+            self._update_sparse(t, group, g, {k: x}, step)
             return
         size = store.layout.sizes[s]
         rows = first + stride * torch.arange(size, device=x.device)

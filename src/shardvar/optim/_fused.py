@@ -1,11 +1,17 @@
 """Updates inside backward: each shard is updated as soon as its gradient is accumulated.
 
 ``fuse(optimizer)`` registers ``register_post_accumulate_grad_hook`` on every shard of every
-table: the hook applies the optimizer's rule to that shard's rows (the touched ones, for sparse
-gradients) and drops the gradient at once, so no gradient of the table's size exists at any time
-(a dense gradient lives for one shard at a time). The step count of each table advances once per
-backward, at its end. ``optimizer.step()`` then has nothing left to do; ``handle.remove()``
-restores the ordinary behaviour.
+table: the hook takes the shard's gradient and drops it from the shard at once. A dense gradient
+is applied there and then, so no gradient of the table's size exists at any time (one lives for
+one shard at a time). Sparse gradients (a few touched rows each) are applied when the backward
+ends, those of all shards of a table's slab in one update: one read-modify-write of the touched
+rows and their state per table, not one per shard (8 mod shards would be 8 passes of small ops).
+The step count of each table advances once per backward, at its end. ``optimizer.step()`` then
+has nothing left to do; ``handle.remove()`` restores the ordinary behaviour.
+
+A table held in one slab also gets a sink (``ShardStore.sink``): a sparse collection's backward
+sums its rows' gradient and hands it straight to the update, table by table, before the next
+table's is summed, so the gradients of all tables never exist at once (FBGEMM's fused backward).
 """
 
 from __future__ import annotations
@@ -28,26 +34,53 @@ class FusedHandle:
         self.optimizer = optimizer
         self._hooks: list[Any] = []
         self._pending: dict[int, Table] = {}  # tables updated in the running backward
+        # (table, slab group) -> sparse gradients of its members by position, applied at the end
+        self._sparse: dict[tuple[int, int], tuple[Table, dict[str, Any], dict[int, torch.Tensor]]] = {}
 
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for t in self.optimizer.tables:
+            t.store.sink = None
         self.optimizer._fused = None
 
     def _finish(self) -> None:
-        for t in self._pending.values():
-            t.step += 1
-        self._pending.clear()
+        sparse, self._sparse = self._sparse, {}
+        try:
+            with torch.no_grad():
+                for (_, g), (table, group, grads) in sparse.items():
+                    self.optimizer._update_sparse(table, group, g, grads, int(table.step) + 1)
+        finally:
+            for t in self._pending.values():
+                t.step += 1
+            self._pending.clear()
+
+    def _begin(self, table: Table) -> None:
+        """Note ``table`` as updated in the running backward (its step count advances when it ends)."""
+        if id(table) not in self._pending:
+            if not self._pending:  # once per backward
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._pending[id(table)] = table
+
+    def _sink(self, table: Table, group: dict[str, Any]) -> Any:
+        def take(rows: torch.Tensor, values: torch.Tensor) -> None:  # distinct rows of the table's one slab
+            self._begin(table)
+            with torch.no_grad():
+                self.optimizer._apply(table, group, 0, rows, values, int(table.step) + 1, True)
+
+        return take
 
     def _hook(self, table: Table, group: dict[str, Any], g: int, member: int) -> Any:
         def apply(p: torch.Tensor) -> None:
-            if id(table) not in self._pending:
-                if not self._pending:  # once per backward: the step counts advance when it ends
-                    torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-                self._pending[id(table)] = table
-            with torch.no_grad():
-                self.optimizer._update_member(table, group, g, member, int(table.step) + 1)
+            self._begin(table)
+            x = p.grad
+            if x is not None and x.is_sparse:
+                _, _, grads = self._sparse.setdefault((id(table), g), (table, group, {}))
+                grads[member] = x if member not in grads else grads[member] + x  # read twice: summed
+            else:
+                with torch.no_grad():
+                    self.optimizer._update_member(table, group, g, member, int(table.step) + 1)
             p.grad = None
 
         return apply
@@ -62,6 +95,8 @@ def fuse(optimizer: TableOptimizer) -> FusedHandle:
     handle = FusedHandle(optimizer)
     for tables, group in zip(optimizer._groups_tables, optimizer.param_groups, strict=True):
         for t in tables:
+            if t.store.full_slab is not None and len(t.store.groups) == 1:  # a collection updates it in backward
+                t.store.sink = handle._sink(t, group)
             shards = t.store.local_shards()
             for g, store_group in enumerate(t.store.groups):
                 for k, s in enumerate(store_group.members):

@@ -40,12 +40,17 @@ class SlabView(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
         ctx.store = inputs[0]
+        # No gradient (an op whose rows all went to a fused update, or an unused output): none for
+        # the shards either, as for an unsharded table; not a table-sized zero gradient per shard.
+        ctx.set_materialize_grads(False)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple:
         store: ShardStore = ctx.store
+        if grad is None:
+            return (None,) * (1 + len(store.local_shards()))
         if grad.layout == torch.sparse_coo:
-            grads = store.split_sparse_grad(0, grad._indices()[0], grad._values())
+            grads = store.split_sparse_grad(0, grad._indices()[0], grad._values(), grad.is_coalesced())
         else:
             grads = store.split_grad(0, grad)
         return (None, *_ordered(store, grads))

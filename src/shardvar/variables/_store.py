@@ -13,6 +13,7 @@ and values, only their memory moves (``Tensor.set_``), so the fast path is the o
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -83,6 +84,9 @@ class ShardStore:
         self.dtype = _check_shards(self._shards, layout, self.shape) if self._shards else (dtype or torch.float32)
         self.adopt = adopt
         self.exchange: Any = None  # set by the distributed layer: fetches rows owned elsewhere
+        # Set by a fused optimizer: ``sink(full slab rows, their summed gradient)`` updates those rows
+        # in backward; a collection's sparse backward hands a table's rows to it, not to .grad.
+        self.sink: Any = None
         self._build()
 
     # -- construction ---------------------------------------------------------------------------
@@ -246,12 +250,25 @@ class ShardStore:
         grad = self.recycler.take(("grad", g), (info.rows, self.width), self.dtype, info.device, zero=True)
         return self.split_grad(g, grad.index_add_(0, rows, values))
 
-    def split_sparse_grad(self, g: int, rows: torch.Tensor, values: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Sparse COO gradients per member shard from group rows ``rows`` and their ``values``."""
+    def split_sparse_grad(
+        self, g: int, rows: torch.Tensor, values: torch.Tensor, coalesced: bool = False
+    ) -> dict[int, torch.Tensor]:
+        """Sparse COO gradients per member shard from group rows ``rows`` and their ``values``.
+
+        ``coalesced``: the rows are distinct and ascending (a collection's summed gradient); with
+        the members back to back, each member's rows are then one run, cut out as views.
+        """
         group = self.groups[g]
         if len(group.members) == 1:
             s = group.members[0]
-            return {s: _sparse(rows, values, self.layout.sizes[s])}
+            return {s: _sparse(rows, values, self.layout.sizes[s], coalesced)}
+        if coalesced and all(step == 1 for step in group.steps):
+            starts = torch.tensor(group.starts, dtype=rows.dtype, device=rows.device)
+            cuts = [*torch.searchsorted(rows, starts).tolist(), rows.numel()]
+            return {
+                s: _sparse(rows[a:b] - first, values[a:b], self.layout.sizes[s], True)
+                for s, first, (a, b) in zip(group.members, group.starts, itertools.pairwise(cuts), strict=True)
+            }
         if group.steps[0] > 1:  # interleaved: row r is shard r % n's row r // n
             member, local = rows.remainder(group.steps[0]), rows.div(group.steps[0], rounding_mode="floor")
         else:
@@ -327,5 +344,6 @@ def _empty_shards(
     return list(slab.split(rows)) if members else []
 
 
-def _sparse(rows: torch.Tensor, values: torch.Tensor, num_rows: int) -> torch.Tensor:
-    return torch.sparse_coo_tensor(rows.unsqueeze(0), values, (num_rows, values.shape[1]), check_invariants=False)
+def _sparse(rows: torch.Tensor, values: torch.Tensor, num_rows: int, coalesced: bool = False) -> torch.Tensor:
+    shape = (num_rows, values.shape[1])
+    return torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, is_coalesced=coalesced, check_invariants=False)
