@@ -7,7 +7,8 @@ off then on, interleaved round by round. Each child times every sharded path and
 baseline alternately (``benchmarks/bench_paths.py``'s paths, the lookup of issue 28's goal,
 checkpoint save and restore); the demo is timed whole, as a program. The table gives, per
 setting, the median over the rounds and the range (min-max): ratios against the unsharded op
-under the same setting, and milliseconds.
+under the same setting, and milliseconds. The goal's comparison with TensorFlow, at the same
+size and ids, is ``benchmarks/bench_tf_lookup.py``.
 """
 
 from __future__ import annotations
@@ -82,35 +83,6 @@ def _demo_seconds(setting: str, quick: bool, steps: int) -> float:
     return time.perf_counter() - start
 
 
-TF = """
-import json, sys, time
-import numpy as np, tensorflow as tf
-rows, dim, n = map(int, sys.argv[1:4])
-rng = np.random.default_rng(0)
-p = np.arange(1, rows + 1, dtype=np.float64) ** -1.05
-ids = tf.constant(rng.permutation(rows)[rng.choice(rows, n, p=p / p.sum())])  # Zipf(1.05), as zipf_ids
-table = tf.Variable(tf.random.normal([rows, dim]))
-shards = [tf.Variable(tf.random.normal([rows // 8 + (k < rows % 8), dim])) for k in range(8)]
-def ms(f):
-    f()
-    times = []
-    for _ in range(7):
-        start = time.perf_counter(); f().numpy(); times.append(time.perf_counter() - start)
-    return sorted(times)[3] * 1e3
-unsharded = tf.function(lambda: tf.gather(table, ids))
-sharded = tf.function(lambda: tf.nn.embedding_lookup(shards, ids))  # div strategy
-print(json.dumps({"tf unsharded": ms(unsharded), "tf sharded (8 div)": ms(sharded)}))
-"""
-
-
-def _tensorflow(python: str, args: argparse.Namespace) -> dict[str, float]:
-    cmd = [python, "-c", TF, str(args.rows), str(args.dim), str(args.ids)]
-    out = subprocess.run(
-        cmd, check=True, capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def _child(args: argparse.Namespace) -> None:
     warnings.filterwarnings("ignore", "Sparse invariant checks")
     torch.manual_seed(0)
@@ -121,7 +93,7 @@ def _cell(values: list[float], fmt: str) -> str:
     return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
 
 
-def _report(runs: dict[str, list[dict]], demo: dict[str, list[float]], tf: list[dict]) -> None:
+def _report(runs: dict[str, list[dict]], demo: dict[str, list[float]]) -> None:
     rows = []
     for name in runs["off"][0]:
         cells = [name]
@@ -139,9 +111,6 @@ def _report(runs: dict[str, list[dict]], demo: dict[str, list[float]], tf: list[
         for s in SETTINGS:
             mine = statistics.median(r[GOAL][0] for r in runs[s])
             print(f"\ngoal: shardvar lookup, switch {s}, / F.embedding, switch off = {mine / base_off:.2f}x (<= 0.4x)")
-            for name in tf[0] if tf else []:
-                theirs = statistics.median(t[name] for t in tf) / 1e3
-                print(f"goal: shardvar lookup, switch {s}, / {name} = {mine / theirs:.2f}x (<= 0.5x unsharded)")
     for s, seconds in demo.items():
         print(f"shardvar demo (whole program), switch {s}: {_cell(seconds, '.1f')} s")
 
@@ -152,7 +121,6 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="small sizes, 1 round (a smoke test)")
     p.add_argument("--only", action="append", choices=["goal", "paths", "train", "checkpoint", "demo"])
     p.add_argument("--demo-steps", type=int, default=300, help="training steps of the timed demo")
-    p.add_argument("--tensorflow", metavar="PYTHON", help="a Python with tensorflow: also time TF's lookups")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.only = args.only or ["goal", "paths", "train", "checkpoint", "demo"]
@@ -166,7 +134,6 @@ def main() -> None:
     rounds = args.rounds if big else 1
     runs: dict[str, list[dict]] = {s: [] for s in SETTINGS}
     demo: dict[str, list[float]] = {s: [] for s in SETTINGS}
-    tf: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(rounds):
             for s, value in SETTINGS.items():
@@ -177,12 +144,8 @@ def main() -> None:
                 runs[s].append(json.loads(out.read_text()))
                 if "demo" in args.only:
                     demo[s].append(_demo_seconds(s, args.quick, args.demo_steps))
-            if args.tensorflow:
-                tf.append(_tensorflow(args.tensorflow, args))
     print(f"{torch.get_num_threads()} threads; THP {huge_pages_mode()}; {rounds} round(s), settings interleaved\n")
-    if tf:
-        print("TensorFlow (ms): " + ", ".join(f"{k} {_cell([t[k] for t in tf], '.0f')}" for k in tf[0]))
-    _report(runs, {s: d for s, d in demo.items() if d}, tf)
+    _report(runs, {s: d for s, d in demo.items() if d})
 
 
 if __name__ == "__main__":
