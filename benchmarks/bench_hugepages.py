@@ -1,6 +1,7 @@
 """Every path under both huge-page settings: torch's THP_MEM_ALLOC_ENABLE off and on.
 
-    python benchmarks/bench_hugepages.py [--rounds 3] [--quick] [--only goal|paths|train|checkpoint|demo]
+    python benchmarks/bench_hugepages.py [--rounds 3] [--rows-log2 19] [--quick]
+                                         [--only goal|paths|train|checkpoint|demo]
 
 torch reads its switch once per process, so every round runs one child process per setting,
 off then on, interleaved round by round. Each child times every sharded path and its unsharded
@@ -57,7 +58,7 @@ def _paths(args: argparse.Namespace, only: list[str]) -> dict[str, tuple[float, 
     if "goal" in only:
         import shardvar
 
-        table, ids = torch.randn(args.rows, args.dim), zipf_ids(args.ids, args.rows)
+        table, ids = torch.randn(args.goal_rows, args.dim), zipf_ids(args.goal_rows, args.goal_rows)
         emb = shardvar.ShardedEmbedding.from_pretrained(table, partitioner=8)
         with torch.no_grad():
             r(lambda: emb(ids), lambda: F.embedding(ids, table))
@@ -121,13 +122,15 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="small sizes, 1 round (a smoke test)")
     p.add_argument("--only", action="append", choices=["goal", "paths", "train", "checkpoint", "demo"])
     p.add_argument("--demo-steps", type=int, default=300, help="training steps of the timed demo")
+    p.add_argument("--rows-log2", type=int, default=19, help="2^N table rows of the paths (the goal's: 2^20)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.only = args.only or ["goal", "paths", "train", "checkpoint", "demo"]
     big = not args.quick
-    args.rows, args.dim, args.ids = (1 << 20, 64, 1 << 20) if big else (1 << 12, 16, 1 << 12)
-    args.bag_rows, args.bag_ids, args.bags = (1 << 20, 1 << 18, 1 << 14) if big else (1 << 12, 1 << 11, 1 << 7)
-    args.train_ids, args.min_s, args.checkpoint_mib = (1 << 16, 0.2, 256.0) if big else (1 << 10, 0.01, 1.0)
+    n = args.rows_log2 if big else 12
+    args.goal_rows, args.dim = (1 << 20, 64) if big else (1 << 12, 16)
+    args.rows, args.ids, args.bag_rows, args.bag_ids, args.bags = 1 << n, 1 << n, 1 << n, 1 << (n - 1), 1 << (n - 5)
+    args.train_ids, args.min_s, args.checkpoint_mib = (1 << 16, 0.1, 256.0) if big else (1 << 10, 0.01, 1.0)
     if args.child:
         _child(args)
         return
@@ -138,13 +141,15 @@ def main() -> None:
         for _ in range(rounds):
             for s, value in SETTINGS.items():
                 out = Path(tmp) / f"{s}.json"
-                cmd = [sys.executable, __file__, "--child", str(out), *(["--quick"] if args.quick else [])]
+                cmd = [sys.executable, __file__, "--child", str(out), "--rows-log2", str(args.rows_log2)]
+                cmd += ["--quick"] if args.quick else []
                 cmd += [x for o in args.only for x in ("--only", o)]
                 subprocess.run(cmd, check=True, env={**os.environ, SWITCH: value})
                 runs[s].append(json.loads(out.read_text()))
                 if "demo" in args.only:
                     demo[s].append(_demo_seconds(s, args.quick, args.demo_steps))
-    print(f"{torch.get_num_threads()} threads; THP {huge_pages_mode()}; {rounds} round(s), settings interleaved\n")
+    print(f"{torch.get_num_threads()} threads; THP {huge_pages_mode()}; {rounds} round(s), settings interleaved; "
+          f"paths: 2^{n} x {args.dim} tables, training steps {args.train_ids} ids\n")  # fmt: skip
     _report(runs, {s: d for s, d in demo.items() if d})
 
 
