@@ -1,13 +1,15 @@
 """Every path under both huge-page settings: torch's THP_MEM_ALLOC_ENABLE off and on.
 
-    python benchmarks/bench_hugepages.py [--rounds 3] [--quick] [--only goal|paths|train|checkpoint|demo]
+    python benchmarks/bench_hugepages.py [--rounds 3] [--rows-log2 19] [--quick]
+                                         [--only goal|paths|train|checkpoint|demo]
 
 torch reads its switch once per process, so every round runs one child process per setting,
 off then on, interleaved round by round. Each child times every sharded path and its unsharded
 baseline alternately (``benchmarks/bench_paths.py``'s paths, the lookup of issue 28's goal,
 checkpoint save and restore); the demo is timed whole, as a program. The table gives, per
 setting, the median over the rounds and the range (min-max): ratios against the unsharded op
-under the same setting, and milliseconds.
+under the same setting, and milliseconds. The goal's comparison with TensorFlow, at the same
+size and ids, is ``benchmarks/bench_tf_lookup.py``.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def _paths(args: argparse.Namespace, only: list[str]) -> dict[str, tuple[float, 
     if "goal" in only:
         import shardvar
 
-        table, ids = torch.randn(args.rows, args.dim), zipf_ids(args.ids, args.rows)
+        table, ids = torch.randn(args.goal_rows, args.dim), zipf_ids(args.goal_rows, args.goal_rows)
         emb = shardvar.ShardedEmbedding.from_pretrained(table, partitioner=8)
         with torch.no_grad():
             r(lambda: emb(ids), lambda: F.embedding(ids, table))
@@ -82,35 +84,6 @@ def _demo_seconds(setting: str, quick: bool, steps: int) -> float:
     return time.perf_counter() - start
 
 
-TF = """
-import json, sys, time
-import numpy as np, tensorflow as tf
-rows, dim, n = map(int, sys.argv[1:4])
-rng = np.random.default_rng(0)
-p = np.arange(1, rows + 1, dtype=np.float64) ** -1.05
-ids = tf.constant(rng.permutation(rows)[rng.choice(rows, n, p=p / p.sum())])  # Zipf(1.05), as zipf_ids
-table = tf.Variable(tf.random.normal([rows, dim]))
-shards = [tf.Variable(tf.random.normal([rows // 8 + (k < rows % 8), dim])) for k in range(8)]
-def ms(f):
-    f()
-    times = []
-    for _ in range(7):
-        start = time.perf_counter(); f().numpy(); times.append(time.perf_counter() - start)
-    return sorted(times)[3] * 1e3
-unsharded = tf.function(lambda: tf.gather(table, ids))
-sharded = tf.function(lambda: tf.nn.embedding_lookup(shards, ids))  # div strategy
-print(json.dumps({"tf unsharded": ms(unsharded), "tf sharded (8 div)": ms(sharded)}))
-"""
-
-
-def _tensorflow(python: str, args: argparse.Namespace) -> dict[str, float]:
-    cmd = [python, "-c", TF, str(args.rows), str(args.dim), str(args.ids)]
-    out = subprocess.run(
-        cmd, check=True, capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def _child(args: argparse.Namespace) -> None:
     warnings.filterwarnings("ignore", "Sparse invariant checks")
     torch.manual_seed(0)
@@ -121,7 +94,7 @@ def _cell(values: list[float], fmt: str) -> str:
     return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
 
 
-def _report(runs: dict[str, list[dict]], demo: dict[str, list[float]], tf: list[dict]) -> None:
+def _report(runs: dict[str, list[dict]], demo: dict[str, list[float]]) -> None:
     rows = []
     for name in runs["off"][0]:
         cells = [name]
@@ -139,9 +112,6 @@ def _report(runs: dict[str, list[dict]], demo: dict[str, list[float]], tf: list[
         for s in SETTINGS:
             mine = statistics.median(r[GOAL][0] for r in runs[s])
             print(f"\ngoal: shardvar lookup, switch {s}, / F.embedding, switch off = {mine / base_off:.2f}x (<= 0.4x)")
-            for name in tf[0] if tf else []:
-                theirs = statistics.median(t[name] for t in tf) / 1e3
-                print(f"goal: shardvar lookup, switch {s}, / {name} = {mine / theirs:.2f}x (<= 0.5x unsharded)")
     for s, seconds in demo.items():
         print(f"shardvar demo (whole program), switch {s}: {_cell(seconds, '.1f')} s")
 
@@ -152,37 +122,35 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="small sizes, 1 round (a smoke test)")
     p.add_argument("--only", action="append", choices=["goal", "paths", "train", "checkpoint", "demo"])
     p.add_argument("--demo-steps", type=int, default=300, help="training steps of the timed demo")
-    p.add_argument("--tensorflow", metavar="PYTHON", help="a Python with tensorflow: also time TF's lookups")
+    p.add_argument("--rows-log2", type=int, default=19, help="2^N table rows of the paths (the goal's: 2^20)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.only = args.only or ["goal", "paths", "train", "checkpoint", "demo"]
     big = not args.quick
-    args.rows, args.dim, args.ids = (1 << 20, 64, 1 << 20) if big else (1 << 12, 16, 1 << 12)
-    args.bag_rows, args.bag_ids, args.bags = (1 << 20, 1 << 18, 1 << 14) if big else (1 << 12, 1 << 11, 1 << 7)
-    args.train_ids, args.min_s, args.checkpoint_mib = (1 << 16, 0.2, 256.0) if big else (1 << 10, 0.01, 1.0)
+    n = args.rows_log2 if big else 12
+    args.goal_rows, args.dim = (1 << 20, 64) if big else (1 << 12, 16)
+    args.rows, args.ids, args.bag_rows, args.bag_ids, args.bags = 1 << n, 1 << n, 1 << n, 1 << (n - 1), 1 << (n - 5)
+    args.train_ids, args.min_s, args.checkpoint_mib = (1 << 16, 0.1, 256.0) if big else (1 << 10, 0.01, 1.0)
     if args.child:
         _child(args)
         return
     rounds = args.rounds if big else 1
     runs: dict[str, list[dict]] = {s: [] for s in SETTINGS}
     demo: dict[str, list[float]] = {s: [] for s in SETTINGS}
-    tf: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(rounds):
             for s, value in SETTINGS.items():
                 out = Path(tmp) / f"{s}.json"
-                cmd = [sys.executable, __file__, "--child", str(out), *(["--quick"] if args.quick else [])]
+                cmd = [sys.executable, __file__, "--child", str(out), "--rows-log2", str(args.rows_log2)]
+                cmd += ["--quick"] if args.quick else []
                 cmd += [x for o in args.only for x in ("--only", o)]
                 subprocess.run(cmd, check=True, env={**os.environ, SWITCH: value})
                 runs[s].append(json.loads(out.read_text()))
                 if "demo" in args.only:
                     demo[s].append(_demo_seconds(s, args.quick, args.demo_steps))
-            if args.tensorflow:
-                tf.append(_tensorflow(args.tensorflow, args))
-    print(f"{torch.get_num_threads()} threads; THP {huge_pages_mode()}; {rounds} round(s), settings interleaved\n")
-    if tf:
-        print("TensorFlow (ms): " + ", ".join(f"{k} {_cell([t[k] for t in tf], '.0f')}" for k in tf[0]))
-    _report(runs, {s: d for s, d in demo.items() if d}, tf)
+    print(f"{torch.get_num_threads()} threads; THP {huge_pages_mode()}; {rounds} round(s), settings interleaved; "
+          f"paths: 2^{n} x {args.dim} tables, training steps {args.train_ids} ids\n")  # fmt: skip
+    _report(runs, {s: d for s, d in demo.items() if d})
 
 
 if __name__ == "__main__":

@@ -219,3 +219,22 @@ def test_small_lookups_and_max_norm_stay_torch_own() -> None:
     big = torch.randint(0, 100, (1 << 17,))
     with torch.no_grad():
         assert torch.equal(embedding(big, weight, None, 1.0, 2.0, False, False), F.embedding(big, weight, max_norm=1.0))
+
+
+@pytest.mark.parametrize("strategy", ["div", "mod"])
+def test_a_sparse_gradient_split_by_shard_is_huge_page_backed_and_unchanged(strategy) -> None:
+    torch.manual_seed(0)
+    plain = nn.Embedding(4096, 64, sparse=True)
+    emb = ShardedEmbedding.from_pretrained(
+        plain.weight, freeze=False, sparse=True, partitioner=4, partition_strategy=strategy
+    )
+    ids = torch.randint(0, 4096, (1 << 14,))  # 4 MiB of gradient rows, reordered by shard
+    emb(ids).pow(2).sum().backward()
+    plain(ids).pow(2).sum().backward()
+    grads = [p.grad for p in emb.parameters()]
+    assert all(g.is_sparse for g in grads)
+    values = grads[0]._values()
+    if MADVISE:  # every shard's values are views of one reordered buffer
+        assert "hg" in _vm_flags(-(-values.data_ptr() // _pages.HUGE_PAGE) * _pages.HUGE_PAGE)
+    whole = emb.store.layout.join([g.to_dense() for g in grads])
+    torch.testing.assert_close(whole, plain.weight.grad.to_dense(), rtol=0, atol=0)

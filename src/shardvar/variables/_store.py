@@ -282,8 +282,13 @@ class ShardStore:
         counts = torch.bincount(member, minlength=len(group.members)).tolist()
         local = local.index_select(0, order)
         # One reorder of the values, then views: a gather per member would read the values once
-        # per shard's call, and this runs on every sparse backward.
-        values = values.index_select(0, order)
+        # per shard's call, and this runs on every sparse backward. A fresh buffer each step (it
+        # becomes the shards' .grad): huge-page backed, or its first touch costs more than the copy.
+        if values.requires_grad:  # a double backward: out= is not differentiable
+            values = values.index_select(0, order)
+        else:
+            buffer = empty(values.shape, dtype=values.dtype, device=values.device)
+            values = torch.index_select(values, 0, order, out=buffer)
         out = {}
         for s, rows_s, values_s in zip(group.members, local.split(counts), values.split(counts), strict=True):
             out[s] = _sparse(rows_s, values_s, self.layout.sizes[s])
