@@ -11,22 +11,24 @@ from conftest import ROOT
 from distributed import free_port
 
 
-def test_recsys_example_trains_under_torchrun(tmp_path) -> None:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-        str(ROOT / "examples" / "recsys_ddp.py"), "--steps", "60", "--users", "3000", "--items", "800",
-        "--save", str(tmp_path / "ck"),
-    ]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    first, last = map(float, re.search(r"loss (\d\.\d+) -> (\d\.\d+)", out.stdout).groups())
-    assert last < first, out.stdout
-    assert "rank 0 holds" in out.stdout and (tmp_path / "ck" / "manifest.json").exists()
+def test_recsys_example_trains_on_two_processes(tmp_path) -> None:
+    # Launched as torchrun would: the README's torchrun command for this script runs in test_readme.py.
+    script = [str(ROOT / "examples" / "recsys_ddp.py"), "--steps", "60", "--users", "3000", "--items", "800",
+              "--save", str(tmp_path / "ck")]  # fmt: skip
+    procs = _ranks(2, script)
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out + err
+    out = outs[0][0]
+    first, last = map(float, re.search(r"loss (\d\.\d+) -> (\d\.\d+)", out).groups())
+    assert last < first, out
+    assert "rank 0 holds" in out and (tmp_path / "ck" / "manifest.json").exists()
 
 
-def _dlrm_ranks(world: int, script: list[str]) -> list[subprocess.Popen]:
-    """``examples/dlrm.py`` on ``world`` processes, launched as torchrun would (its own torchrun runs are
-    tests/test_dlrm_long_run.py's): a launcher interpreter less per run, and all runs at once."""
+def _ranks(world: int, script: list[str]) -> list[subprocess.Popen]:
+    """An example on ``world`` processes, launched as torchrun would (with the environment it sets): a
+    launcher interpreter less per run. torchrun itself runs the examples in test_readme.py and
+    test_dlrm_long_run.py."""
     port, procs = free_port(), []
     for rank in range(world):
         ranks = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)}
@@ -52,7 +54,7 @@ def test_dlrm_example_trains_the_unsharded_model_on_one_two_and_three_processes(
         return [str(ROOT / "examples" / "dlrm.py"), "--steps", str(steps), "--batch", str(size), "--scale", "0.01",
                 "--placement", placement, "--save", str(tmp_path / label)]  # fmt: skip
 
-    launched = {label: _dlrm_ranks(world, script(label, placement)) for label, world, placement in cases if world > 1}
+    launched = {label: _ranks(world, script(label, placement)) for label, world, placement in cases if world > 1}
     # One process: run here, while the others start (the same main, without another start of torch).
     monkeypatch.setattr(sys, "argv", script("w1", "row"))
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")  # what the example sets; undone after the test
