@@ -141,7 +141,7 @@ RESTORER = textwrap.dedent(
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc to read the address-space size")
 def test_restore_a_variable_larger_than_the_memory_limit(tmp_path) -> None:
-    rows, cols = 1 << 19, 256  # 512 MiB of float32
+    rows, cols = 1 << 18, 256  # 256 MiB of float32: more than the headroom below, and 8 shards of 32 MiB
     headroom = 160 << 20  # the restoring process may allocate 160 MiB more than it has after importing torch
     full = torch.arange(rows, dtype=torch.float32).unsqueeze(1) + torch.arange(cols, dtype=torch.float32) / cols
     shardvar.save({"big": shardvar.shard_tensor(full, Layout.div(rows, 8))}, tmp_path / "src")
