@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -40,23 +42,46 @@ LOOKUP_CASES = [(2, "div", 5), (2, "mod", 4), (3, "mod", 5), (3, "div", 3)]
 STEPS, SEED = 10, 3
 
 
+OPTIM_CASES = [("RowWiseAdagrad", True, True), ("Adam", False, False), ("SGD", True, False)]
+
+
 @pytest.fixture(scope="module")
-def lookup_runs(tmp_path_factory):
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    """Where the batched workers that write checkpoints write them."""
+    return {name: tmp_path_factory.mktemp(name) for name in ("collection", "sparse", "async")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, dirs):
+    """The workers that end cleanly, run together: one group of processes per world size for the module."""
     jobs = {
-        (world, strategy, shards): (
-            world,
-            "train",
-            {"strategy": strategy, "shards": shards, "steps": STEPS, "seed": SEED},
-        )
-        for world, strategy, shards in LOOKUP_CASES
+        **{
+            ("lookup", world, strategy, shards): (
+                world,
+                "train",
+                {"strategy": strategy, "shards": shards, "steps": STEPS, "seed": SEED},
+            )
+            for world, strategy, shards in LOOKUP_CASES
+        },
+        **{
+            ("optim", *case): (
+                2,
+                "dist_optim_workers:train_table",
+                dict(zip(("name", "sparse", "fused"), case, strict=True)),
+            )
+            for case in OPTIM_CASES
+        },
+        "collection": (2, "dist_collection_workers:train_collection", {"path": str(dirs["collection"])}),
+        "sparse": (2, "dist_collection_workers:train_sparse_replicated", {"path": str(dirs["sparse"])}),
+        "async": (2, "dist_checkpoint_workers:async_then_delta", {"path": str(dirs["async"])}),
     }
-    return batched(lambda: tmp_path_factory.mktemp("lookup"), jobs)
+    return batched(lambda: tmp_path_factory.mktemp("ranks"), jobs)
 
 
 @pytest.mark.parametrize("world, strategy, shards", LOOKUP_CASES)
-def test_lookup_and_training_match_a_single_process(lookup_runs, world, strategy, shards) -> None:
+def test_lookup_and_training_match_a_single_process(runs, world, strategy, shards) -> None:
     steps, seed = STEPS, SEED
-    results = lookup_runs((world, strategy, shards))
+    results = runs(("lookup", world, strategy, shards))
     firsts, table, head = single_process_reference(world, strategy, shards, steps, seed)
     for rank, r in enumerate(results):
         torch.testing.assert_close(r["first"], firsts[rank], atol=1e-6, rtol=0)
@@ -137,8 +162,8 @@ def test_checkpoints_move_between_world_sizes(tmp_path) -> None:
     torch.testing.assert_close(assemble(back, "exp_avg", shardvar.Layout.div(ROWS, 3)), moments, atol=0, rtol=0)
 
 
-def test_async_saves_overlap_training_and_deltas_chain_across_ranks(tmp_path) -> None:
-    results = run_ranks(2, "dist_checkpoint_workers:async_then_delta", tmp_path / "w", path=str(tmp_path))
+def test_async_saves_overlap_training_and_deltas_chain_across_ranks(runs, dirs) -> None:
+    results, tmp_path = runs("async"), dirs["async"]
     assert all(r["blocked"] for r in results)  # training ran while the writers were held
     layout = shardvar.Layout.mod(ROWS, 4)
     for name, state in (("full", "snapshot"), ("delta", "final")):
@@ -155,23 +180,11 @@ def test_async_saves_overlap_training_and_deltas_chain_across_ranks(tmp_path) ->
     assert "delta" in shardvar.checkpoint.Manifest.read(tmp_path / "delta").extra
 
 
-OPTIM_CASES = [("RowWiseAdagrad", True, True), ("Adam", False, False), ("SGD", True, False)]
-
-
-@pytest.fixture(scope="module")
-def optim_runs(tmp_path_factory):
-    jobs = {
-        case: (2, "dist_optim_workers:train_table", dict(zip(("name", "sparse", "fused"), case, strict=True)))
-        for case in OPTIM_CASES
-    }
-    return batched(lambda: tmp_path_factory.mktemp("optim"), jobs)
-
-
 @pytest.mark.parametrize(("name", "sparse", "fused"), OPTIM_CASES)
-def test_table_optimizers_on_two_processes_equal_one(optim_runs, name, sparse, fused) -> None:
+def test_table_optimizers_on_two_processes_equal_one(runs, name, sparse, fused) -> None:
     from dist_optim_workers import OPTIMIZERS
 
-    results = optim_runs((name, sparse, fused))
+    results = runs(("optim", name, sparse, fused))
     got = assemble(results, "shards", shardvar.Layout.mod(ROWS, 4))
     table = nn.Embedding.from_pretrained(RowInitializer(3)((ROWS, DIM)), freeze=False, sparse=sparse)
     opt = OPTIMIZERS[name](table)
@@ -183,10 +196,10 @@ def test_table_optimizers_on_two_processes_equal_one(optim_runs, name, sparse, f
     torch.testing.assert_close(got, table.weight.detach(), atol=1e-5, rtol=0)
 
 
-def test_a_collection_of_tables_trains_as_one_process_in_one_exchange_per_group(tmp_path) -> None:
+def test_a_collection_of_tables_trains_as_one_process_in_one_exchange_per_group(runs, dirs) -> None:
     from dist_collection_workers import TABLES, batch
 
-    results = run_ranks(2, "dist_collection_workers:train_collection", tmp_path / "w", path=str(tmp_path))
+    results, tmp_path = runs("collection"), dirs["collection"]
     r = results[0]
     assert r["groups"] == 2 and all(n == r["groups"] * r["one_table"] for n in r["per_step"])  # not 5 tables' worth
     plain = nn.ModuleDict(
@@ -213,10 +226,10 @@ def test_a_collection_of_tables_trains_as_one_process_in_one_exchange_per_group(
     torch.testing.assert_close(local.embedding_bags["d"].weight.to_tensor(), plain["d"].weight, atol=1e-5, rtol=0)
 
 
-def test_replicated_tables_with_sparse_gradients_train_as_one_process(tmp_path) -> None:
+def test_replicated_tables_with_sparse_gradients_train_as_one_process(runs, dirs) -> None:
     from dist_collection_workers import SPARSE_TABLES
 
-    results = run_ranks(2, "dist_collection_workers:train_sparse_replicated", tmp_path / "w", path=str(tmp_path))
+    results, tmp_path = runs("sparse"), dirs["sparse"]
     assert torch.equal(results[0]["replica"], results[1]["replica"])  # the copies stay identical
     plain = nn.ModuleDict(
         {k: nn.EmbeddingBag(c.num_embeddings, c.embedding_dim, sparse=True) for k, c in SPARSE_TABLES.items()}
