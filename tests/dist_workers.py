@@ -141,16 +141,23 @@ def ckpt_load(rank: int, world: int, path: str, shards: int, strategy: str) -> d
     return {**local_state(model, opt), "lr": opt.param_groups[0]["lr"]}
 
 
+def resolve(worker: str):
+    if ":" in worker:  # "module:function": a worker kept in another test module
+        module, name = worker.split(":")
+        return getattr(importlib.import_module(module), name)
+    return globals()[worker]
+
+
+def many(rank: int, world: int, jobs: list) -> dict:
+    """Several workers in turn in one process group: one interpreter start per rank for them all."""
+    return {"jobs": [resolve(worker)(rank, world, **kwargs) for worker, kwargs in jobs]}
+
+
 def main() -> None:
     worker, kwargs, out_dir = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    if ":" in worker:  # "module:function": a worker kept in another test module
-        module, name = worker.split(":")
-        func = getattr(importlib.import_module(module), name)
-    else:
-        func = globals()[worker]
-    result = func(rank, world, **kwargs)
+    result = resolve(worker)(rank, world, **kwargs)
     torch.save(result, out_dir / f"rank{rank}.pt")
     if not (result or {}).get("error"):
         gc.collect()  # gloo work held by garbage cycles goes while the group is alive

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -66,4 +67,26 @@ def run_ranks(
         assert p.returncode == want, f"rank {rank} exited {p.returncode} (wanted {want}):\n{out}\n{err}"
         path = out_dir / f"rank{rank}.pt"
         results.append(torch.load(path, weights_only=False) if want == 0 else None)
+    return results
+
+
+def batched(
+    out_dir: Callable[[], Path], jobs: dict[Hashable, tuple[int, str, dict[str, Any]]]
+) -> Callable[[Hashable], list[Any]]:
+    """Results of ``jobs`` (key -> world, worker, kwargs) by key, each rank's; the jobs of a world run together.
+
+    The first key asked for of a world runs all that world's jobs one after another in one group of
+    processes (``dist_workers.many``): the cases of a parametrized test pay for one start of torch
+    per rank instead of one per case. A job that must end its process cannot be batched.
+    """
+    done: dict[int, dict[Hashable, list[Any]]] = {}
+
+    def results(key: Hashable) -> list[Any]:
+        world = jobs[key][0]
+        if world not in done:
+            keys = [k for k, (w, _, _) in jobs.items() if w == world]
+            runs = run_ranks(world, "many", out_dir(), 120 + 60 * len(keys), jobs=[jobs[k][1:] for k in keys])
+            done[world] = {k: [rank["jobs"][i] for rank in runs] for i, k in enumerate(keys)}
+        return done[world][key]
+
     return results

@@ -16,22 +16,33 @@ import torch
 import shardvar
 from shardvar import Layout
 
+# A zygote imports torch and shardvar once, then forks one saver per trial (each a real process,
+# killed with a real SIGKILL mid-save): a fresh interpreter per trial cost ~2 s of imports.
 SAVER = textwrap.dedent(
     """
-    import sys, torch, shardvar
+    import os, sys, torch, shardvar
     from shardvar import Layout
-    path, version = sys.argv[1], int(sys.argv[2])
-    print("ready", flush=True)
-    while True:
-        value = float(version)
-        state = {
-            "table": shardvar.shard_tensor(torch.full((4096, 256), value), Layout.mod(4096, 8)),
-            "dense": torch.full((2048, 512), value),
-            "step": torch.tensor(value),
-        }
-        shardvar.save(state, path)
-        print(version, flush=True)
-        version += 1
+    path = sys.argv[1]
+
+    def save_forever(version):
+        print("ready", os.getpid(), flush=True)
+        while True:
+            value = float(version)
+            state = {
+                "table": shardvar.shard_tensor(torch.full((4096, 256), value), Layout.mod(4096, 8)),
+                "dense": torch.full((2048, 512), value),
+                "step": torch.tensor(value),
+            }
+            shardvar.save(state, path)
+            print(version, flush=True)
+            version += 1
+
+    for line in sys.stdin:
+        pid = os.fork()
+        if pid == 0:
+            save_forever(int(line))
+        _, status = os.waitpid(pid, 0)
+        print("dead", os.WTERMSIG(status) if os.WIFSIGNALED(status) else -1, flush=True)
     """
 )
 
@@ -45,20 +56,28 @@ def versions_in(path) -> set[float]:
 
 def run_trials(path, trials: int, rng: random.Random) -> None:
     version, on_disk = 1, 0.0
-    for _ in range(trials):
-        with subprocess.Popen(
-            [sys.executable, "-c", SAVER, str(path), str(version)], stdout=subprocess.PIPE, text=True
-        ) as child:
-            assert child.stdout.readline().strip() == "ready"
+    with subprocess.Popen(
+        [sys.executable, "-c", SAVER, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as zygote:
+        for _ in range(trials):
+            zygote.stdin.write(f"{version}\n")
+            zygote.stdin.flush()
+            ready, pid = zygote.stdout.readline().split()
+            assert ready == "ready", ready
             time.sleep(rng.uniform(0.0, 0.6))
-            child.send_signal(signal.SIGKILL)
-            finished = [int(line) for line in child.stdout.read().split()]
-        last_complete = finished[-1] if finished else on_disk
-        found = versions_in(path)  # must load, complete, with one consistent version
-        assert len(found) == 1, found
-        (v,) = found
-        assert v in (last_complete, version + len(finished)), (v, last_complete)  # old, or the save in flight
-        on_disk, version = v, version + len(finished) + 1
+            os.kill(int(pid), signal.SIGKILL)
+            finished = []
+            while (line := zygote.stdout.readline().split())[0] != "dead":
+                finished.append(int(line[0]))
+            assert line == ["dead", str(int(signal.SIGKILL))], line  # killed mid-loop, not failed
+            last_complete = finished[-1] if finished else on_disk
+            found = versions_in(path)  # must load, complete, with one consistent version
+            assert len(found) == 1, found
+            (v,) = found
+            assert v in (last_complete, version + len(finished)), (v, last_complete)  # old, or the save in flight
+            on_disk, version = v, version + len(finished) + 1
+        zygote.stdin.close()
+        assert zygote.wait(timeout=60) == 0
 
 
 def test_sigkill_during_save_leaves_old_or_new_checkpoint(tmp_path) -> None:
@@ -122,7 +141,7 @@ RESTORER = textwrap.dedent(
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc to read the address-space size")
 def test_restore_a_variable_larger_than_the_memory_limit(tmp_path) -> None:
-    rows, cols = 1 << 19, 256  # 512 MiB of float32
+    rows, cols = 1 << 18, 256  # 256 MiB of float32: more than the headroom below, and 8 shards of 32 MiB
     headroom = 160 << 20  # the restoring process may allocate 160 MiB more than it has after importing torch
     full = torch.arange(rows, dtype=torch.float32).unsqueeze(1) + torch.arange(cols, dtype=torch.float32) / cols
     shardvar.save({"big": shardvar.shard_tensor(full, Layout.div(rows, 8))}, tmp_path / "src")

@@ -15,11 +15,15 @@ def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "shardvar", *args], capture_output=True, text=True)
 
 
-def test_plan_default_table() -> None:
-    out = run("plan")
-    assert out.returncode == 0, out.stderr
-    assert "FixedShards(4)" in out.stdout and "1000000x64" in out.stdout
-    assert "div: 3,3,2,2" in out.stdout  # 10 rows over 4 shards: the first two get the extra row
+# One test per way in runs the program itself (`python -m shardvar`: --version, inspect in a pipe, the
+# demo, bench, and on a terminal); the others call its main, which is what the program runs.
+
+
+def test_plan_default_table(capsys) -> None:
+    assert main(["plan"]) == 0
+    out = capsys.readouterr().out
+    assert "FixedShards(4)" in out and "1000000x64" in out
+    assert "div: 3,3,2,2" in out  # 10 rows over 4 shards: the first two get the extra row
 
 
 def test_plan_with_options(capsys) -> None:
@@ -28,16 +32,18 @@ def test_plan_with_options(capsys) -> None:
     assert "mod: 3,3,2,2" in out and "int8" in out
 
 
-def test_plan_bad_arguments_exit_with_a_message() -> None:
-    out = run("plan", "--partitioner", "fixed:0")
-    assert out.returncode == 2 and "`num_shards` must be positive; got 0" in out.stderr
-    out = run("plan", "--shape", "10,x")
-    assert out.returncode == 2 and "bad shape '10,x'" in out.stderr
+def test_plan_bad_arguments_exit_with_a_message(capsys) -> None:
+    with pytest.raises(SystemExit, match=r"^2$"):
+        main(["plan", "--partitioner", "fixed:0"])
+    assert "`num_shards` must be positive; got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=r"^2$"):
+        main(["plan", "--shape", "10,x"])
+    assert "bad shape '10,x'" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="axis 5 is out of range"):
         main(["plan", "--shape", "10,3", "--axis", "5"])
 
 
-def test_inspect_and_reshard(tmp_path) -> None:
+def test_inspect_and_reshard(tmp_path, capsys) -> None:
     import torch
 
     import shardvar
@@ -53,13 +59,15 @@ def test_inspect_and_reshard(tmp_path) -> None:
     assert "\x1b" not in out.stdout and "─" not in out.stdout
     assert lines[0].split() == ["variable", "dtype", "shape", "saved", "layout", "bytes", "pieces"]
     assert set(lines[1]) == {"-", " "} and lines[2].split()[:3] == ["emb", "float32", "100x4"]
-    out = run("reshard", str(tmp_path / "a"), str(tmp_path / "b"), "--shards", "3", "--strategy", "div")
-    assert out.returncode == 0 and out.stderr == "", out.stderr  # no progress bar off a terminal
-    assert "div: 34,33,33 @axis0" in run("inspect", str(tmp_path / "b")).stdout
-    out = run("inspect", str(tmp_path / "missing"))
-    assert out.returncode == 1 and "manifest.json is missing" in out.stderr
-    out = run("reshard", str(tmp_path / "a"), str(tmp_path / "c"), "--shards", "0")
-    assert out.returncode == 2 and "expected a positive integer; got 0" in out.stderr
+    assert main(["reshard", str(tmp_path / "a"), str(tmp_path / "b"), "--shards", "3", "--strategy", "div"]) == 0
+    assert capsys.readouterr().err == ""  # no progress bar off a terminal
+    assert main(["inspect", str(tmp_path / "b")]) == 0
+    assert "div: 34,33,33 @axis0" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"manifest\.json is missing"):  # a message: exit status 1
+        main(["inspect", str(tmp_path / "missing")])
+    with pytest.raises(SystemExit, match=r"^2$"):
+        main(["reshard", str(tmp_path / "a"), str(tmp_path / "c"), "--shards", "0"])
+    assert "expected a positive integer; got 0" in capsys.readouterr().err
 
 
 def test_inspect_shows_a_delta_chain_and_compact_folds_it(tmp_path, capsys) -> None:
@@ -136,9 +144,9 @@ def test_progress_bars_on_a_terminal_only_and_off_with_no_progress(tmp_path) -> 
     _saved(tmp_path / "a")
     rc, term = run_in_terminal("reshard", str(tmp_path / "a"), str(tmp_path / "b"), "--shards", "3")
     assert rc == 0 and "reshard" in term and "100%" in term and "━" in term, term
-    demo = ["demo", "--users", "300", "--items", "80", "--dim", "4", "--steps", "40", "--batch", "64"]
+    demo = ["demo", "--users", "300", "--items", "80", "--dim", "4", "--steps", "28", "--batch", "64"]
     rc, term = run_in_terminal(*demo)
-    assert rc == 0 and "training (sharded | unsharded, interleaved)" in term and "40/40" in term, term
+    assert rc == 0 and "training (sharded | unsharded, interleaved)" in term and "28/28" in term, term
     assert "save" in term and "restore" in term  # the checkpoint's bars
     rc, quiet = run_in_terminal(*demo, "--no-progress", NO_COLOR="1")
     assert rc == 0 and "training (sharded" not in quiet and "━" not in quiet, quiet
@@ -168,12 +176,12 @@ def test_demo_trains_checkpoints_and_restores(tmp_path) -> None:
 
     (tmp_path / "tmp").mkdir()
     env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
-    args = ["demo", "--users", "3000", "--items", "800", "--dim", "8", "--steps", "60"]
+    args = ["demo", "--users", "3000", "--items", "800", "--dim", "8", "--steps", "30"]
     out = subprocess.run([sys.executable, "-m", "shardvar", *args], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert re.search(r"^predictions after restore +match \(max \|diff\| = 0.0e\+00\)", out.stdout, re.M)
     assert "mod: 750,750,750,750" in out.stdout and "div: 1000,1000,1000" in out.stdout
-    ratio = re.search(r"^sharded / unsharded, interleaved +([0-9.]+)x \(median of 57 steps each", out.stdout, re.M)
+    ratio = re.search(r"^sharded / unsharded, interleaved +([0-9.]+)x \(median of 27 steps each", out.stdout, re.M)
     assert ratio and float(ratio[1]) > 0, out.stdout
     assert "removed (--checkpoint DIR keeps it)" in out.stdout and "shardvar-demo-" not in out.stdout
     assert list((tmp_path / "tmp").glob("shardvar-demo-*")) == []  # the temporary checkpoint is gone
@@ -202,25 +210,12 @@ def test_demo_times_its_twins_interleaved() -> None:
     assert rows["sharded / unsharded, interleaved"] == "0.57x (median of 20 steps each; per 10 steps 0.57-0.57x)"
 
 
-def test_demo_on_two_processes(tmp_path) -> None:
-    out = run(
-        "demo",
-        "--procs",
-        "2",
-        "--users",
-        "2000",
-        "--items",
-        "500",
-        "--dim",
-        "8",
-        "--steps",
-        "30",
-        "--checkpoint",
-        str(tmp_path / "ck"),
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "rank 1" in out.stdout and "match (max |diff|" in out.stdout
-    assert re.search(rf"^checkpoint +{re.escape(str(tmp_path / 'ck'))}$", out.stdout, re.M), out.stdout
+def test_demo_on_two_processes(tmp_path, capsys) -> None:
+    args = ["demo", "--procs", "2", "--users", "2000", "--items", "500", "--dim", "8", "--steps", "30"]
+    assert main([*args, "--checkpoint", str(tmp_path / "ck")]) == 0
+    out = capsys.readouterr().out
+    assert "rank 1" in out and "match (max |diff|" in out
+    assert re.search(rf"^checkpoint +{re.escape(str(tmp_path / 'ck'))}$", out, re.M), out
     assert (tmp_path / "ck" / "manifest.json").exists()  # asked for: kept
 
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
 import shardvar
 from dist_workers import DIM, ROWS, batch
-from distributed import run_ranks
+from distributed import batched, run_ranks
 from shardvar.variables import RowInitializer
 
 
@@ -36,10 +38,50 @@ def single_process_reference(world: int, strategy: str, shards: int, steps: int,
     return firsts, emb.weight.to_tensor().detach(), head
 
 
-@pytest.mark.parametrize("world, strategy, shards", [(2, "div", 5), (2, "mod", 4), (3, "mod", 5), (3, "div", 3)])
-def test_lookup_and_training_match_a_single_process(tmp_path, world, strategy, shards) -> None:
-    steps, seed = 10, 3
-    results = run_ranks(world, "train", tmp_path, strategy=strategy, shards=shards, steps=steps, seed=seed)
+LOOKUP_CASES = [(2, "div", 5), (2, "mod", 4), (3, "mod", 5), (3, "div", 3)]
+STEPS, SEED = 10, 3
+
+
+OPTIM_CASES = [("RowWiseAdagrad", True, True), ("Adam", False, False), ("SGD", True, False)]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    """Where the batched workers that write checkpoints write them."""
+    return {name: tmp_path_factory.mktemp(name) for name in ("collection", "sparse", "async")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, dirs):
+    """The workers that end cleanly, run together: one group of processes per world size for the module."""
+    jobs = {
+        **{
+            ("lookup", world, strategy, shards): (
+                world,
+                "train",
+                {"strategy": strategy, "shards": shards, "steps": STEPS, "seed": SEED},
+            )
+            for world, strategy, shards in LOOKUP_CASES
+        },
+        **{
+            ("optim", *case): (
+                2,
+                "dist_optim_workers:train_table",
+                dict(zip(("name", "sparse", "fused"), case, strict=True)),
+            )
+            for case in OPTIM_CASES
+        },
+        "collection": (2, "dist_collection_workers:train_collection", {"path": str(dirs["collection"])}),
+        "sparse": (2, "dist_collection_workers:train_sparse_replicated", {"path": str(dirs["sparse"])}),
+        "async": (2, "dist_checkpoint_workers:async_then_delta", {"path": str(dirs["async"])}),
+    }
+    return batched(lambda: tmp_path_factory.mktemp("ranks"), jobs)
+
+
+@pytest.mark.parametrize("world, strategy, shards", LOOKUP_CASES)
+def test_lookup_and_training_match_a_single_process(runs, world, strategy, shards) -> None:
+    steps, seed = STEPS, SEED
+    results = runs(("lookup", world, strategy, shards))
     firsts, table, head = single_process_reference(world, strategy, shards, steps, seed)
     for rank, r in enumerate(results):
         torch.testing.assert_close(r["first"], firsts[rank], atol=1e-6, rtol=0)
@@ -107,20 +149,21 @@ def test_checkpoints_move_between_world_sizes(tmp_path) -> None:
     torch.testing.assert_close(single_moments, moments, atol=0, rtol=0)
     torch.testing.assert_close(model.head.weight, saved[0]["head"], atol=0, rtol=0)
     assert opt.param_groups[0]["lr"] == 0.05
-    # 2 ranks -> 3 ranks, 6 mod shards.
-    loaded = run_ranks(3, "ckpt_load", tmp_path / "w3", path=str(tmp_path / "a"), shards=6, strategy="mod")
+    # The single process saves what it loaded, for the way back.
+    shardvar.save({"model": model, "opt": opt}, tmp_path / "b")
+    # 2 ranks -> 3 ranks, 6 mod shards; and back: 3 ranks restore the single process's into 3 div shards.
+    jobs = [("ckpt_load", {"path": str(tmp_path / "a"), "shards": 6, "strategy": "mod"}),
+            ("ckpt_load", {"path": str(tmp_path / "b"), "shards": 3, "strategy": "div"})]  # fmt: skip
+    loaded, back = zip(*(r["jobs"] for r in run_ranks(3, "many", tmp_path / "w3", jobs=jobs)), strict=True)
     torch.testing.assert_close(assemble(loaded, "shards", shardvar.Layout.mod(ROWS, 6)), weights, atol=0, rtol=0)
     torch.testing.assert_close(assemble(loaded, "exp_avg", shardvar.Layout.mod(ROWS, 6)), moments, atol=0, rtol=0)
     assert all(r["step"] == 3.0 and r["lr"] == 0.05 for r in loaded)
-    # And back: the single process saves, 3 ranks restore into 3 div shards.
-    shardvar.save({"model": model, "opt": opt}, tmp_path / "b")
-    back = run_ranks(3, "ckpt_load", tmp_path / "w3b", path=str(tmp_path / "b"), shards=3, strategy="div")
     torch.testing.assert_close(assemble(back, "shards", shardvar.Layout.div(ROWS, 3)), weights, atol=0, rtol=0)
     torch.testing.assert_close(assemble(back, "exp_avg", shardvar.Layout.div(ROWS, 3)), moments, atol=0, rtol=0)
 
 
-def test_async_saves_overlap_training_and_deltas_chain_across_ranks(tmp_path) -> None:
-    results = run_ranks(2, "dist_checkpoint_workers:async_then_delta", tmp_path / "w", path=str(tmp_path))
+def test_async_saves_overlap_training_and_deltas_chain_across_ranks(runs, dirs) -> None:
+    results, tmp_path = runs("async"), dirs["async"]
     assert all(r["blocked"] for r in results)  # training ran while the writers were held
     layout = shardvar.Layout.mod(ROWS, 4)
     for name, state in (("full", "snapshot"), ("delta", "final")):
@@ -137,13 +180,11 @@ def test_async_saves_overlap_training_and_deltas_chain_across_ranks(tmp_path) ->
     assert "delta" in shardvar.checkpoint.Manifest.read(tmp_path / "delta").extra
 
 
-@pytest.mark.parametrize(
-    ("name", "sparse", "fused"), [("RowWiseAdagrad", True, True), ("Adam", False, False), ("SGD", True, False)]
-)
-def test_table_optimizers_on_two_processes_equal_one(tmp_path, name, sparse, fused) -> None:
+@pytest.mark.parametrize(("name", "sparse", "fused"), OPTIM_CASES)
+def test_table_optimizers_on_two_processes_equal_one(runs, name, sparse, fused) -> None:
     from dist_optim_workers import OPTIMIZERS
 
-    results = run_ranks(2, "dist_optim_workers:train_table", tmp_path, name=name, sparse=sparse, fused=fused)
+    results = runs(("optim", name, sparse, fused))
     got = assemble(results, "shards", shardvar.Layout.mod(ROWS, 4))
     table = nn.Embedding.from_pretrained(RowInitializer(3)((ROWS, DIM)), freeze=False, sparse=sparse)
     opt = OPTIMIZERS[name](table)
@@ -155,10 +196,10 @@ def test_table_optimizers_on_two_processes_equal_one(tmp_path, name, sparse, fus
     torch.testing.assert_close(got, table.weight.detach(), atol=1e-5, rtol=0)
 
 
-def test_a_collection_of_tables_trains_as_one_process_in_one_exchange_per_group(tmp_path) -> None:
+def test_a_collection_of_tables_trains_as_one_process_in_one_exchange_per_group(runs, dirs) -> None:
     from dist_collection_workers import TABLES, batch
 
-    results = run_ranks(2, "dist_collection_workers:train_collection", tmp_path / "w", path=str(tmp_path))
+    results, tmp_path = runs("collection"), dirs["collection"]
     r = results[0]
     assert r["groups"] == 2 and all(n == r["groups"] * r["one_table"] for n in r["per_step"])  # not 5 tables' worth
     plain = nn.ModuleDict(
@@ -185,10 +226,10 @@ def test_a_collection_of_tables_trains_as_one_process_in_one_exchange_per_group(
     torch.testing.assert_close(local.embedding_bags["d"].weight.to_tensor(), plain["d"].weight, atol=1e-5, rtol=0)
 
 
-def test_replicated_tables_with_sparse_gradients_train_as_one_process(tmp_path) -> None:
+def test_replicated_tables_with_sparse_gradients_train_as_one_process(runs, dirs) -> None:
     from dist_collection_workers import SPARSE_TABLES
 
-    results = run_ranks(2, "dist_collection_workers:train_sparse_replicated", tmp_path / "w", path=str(tmp_path))
+    results, tmp_path = runs("sparse"), dirs["sparse"]
     assert torch.equal(results[0]["replica"], results[1]["replica"])  # the copies stay identical
     plain = nn.ModuleDict(
         {k: nn.EmbeddingBag(c.num_embeddings, c.embedding_dim, sparse=True) for k, c in SPARSE_TABLES.items()}

@@ -9,7 +9,7 @@ from torch import nn
 import shardvar
 from dist_module_workers import CASES, batch, pooled
 from dist_workers import DIM, ROWS
-from distributed import run_ranks
+from distributed import batched, run_ranks
 from shardvar.variables import RowInitializer
 
 
@@ -37,15 +37,27 @@ def single_process(world: int, case: str, shards: int, strategy: str, steps: int
     return outs, emb.weight.to_tensor().detach()
 
 
-@pytest.mark.parametrize(
-    "world, case, strategy",
-    [(2, c, "mod") for c in CASES] + [(3, "bag_sum_weights", "div"), (3, "max_norm", "div")],
-)
-def test_every_module_option_matches_a_single_process(tmp_path, world, case, strategy) -> None:
-    shards, steps = 5, 3
-    results = run_ranks(
-        world, "dist_module_workers:module_train", tmp_path, case=case, shards=shards, strategy=strategy, steps=steps
-    )
+MODULE_CASES = [(2, c, "mod") for c in CASES] + [(3, "bag_sum_weights", "div"), (3, "max_norm", "div")]
+SHARDS, STEPS = 5, 3
+
+
+@pytest.fixture(scope="module")
+def module_runs(tmp_path_factory):
+    jobs = {
+        (world, case, strategy): (
+            world,
+            "dist_module_workers:module_train",
+            {"case": case, "shards": SHARDS, "strategy": strategy, "steps": STEPS},
+        )
+        for world, case, strategy in MODULE_CASES
+    }
+    return batched(lambda: tmp_path_factory.mktemp("modules"), jobs)
+
+
+@pytest.mark.parametrize("world, case, strategy", MODULE_CASES)
+def test_every_module_option_matches_a_single_process(module_runs, world, case, strategy) -> None:
+    shards, steps = SHARDS, STEPS
+    results = module_runs((world, case, strategy))
     outs, table = single_process(world, case, shards, strategy, steps)
     for rank, r in enumerate(results):
         for got, want in zip(r["outs"], outs[rank], strict=True):

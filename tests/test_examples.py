@@ -11,49 +11,70 @@ from conftest import ROOT
 from distributed import free_port
 
 
-def test_recsys_example_trains_under_torchrun(tmp_path) -> None:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-        str(ROOT / "examples" / "recsys_ddp.py"), "--steps", "60", "--users", "3000", "--items", "800",
-        "--save", str(tmp_path / "ck"),
-    ]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    first, last = map(float, re.search(r"loss (\d\.\d+) -> (\d\.\d+)", out.stdout).groups())
-    assert last < first, out.stdout
-    assert "rank 0 holds" in out.stdout and (tmp_path / "ck" / "manifest.json").exists()
+def test_recsys_example_trains_on_two_processes(tmp_path) -> None:
+    # Launched as torchrun would: the README's torchrun command for this script runs in test_readme.py.
+    script = [str(ROOT / "examples" / "recsys_ddp.py"), "--steps", "60", "--users", "3000", "--items", "800",
+              "--save", str(tmp_path / "ck")]  # fmt: skip
+    procs = _ranks(2, script)
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out + err
+    out = outs[0][0]
+    first, last = map(float, re.search(r"loss (\d\.\d+) -> (\d\.\d+)", out).groups())
+    assert last < first, out
+    assert "rank 0 holds" in out and (tmp_path / "ck" / "manifest.json").exists()
 
 
-def test_dlrm_example_trains_the_unsharded_model_on_one_two_and_three_processes(tmp_path) -> None:
+def _ranks(world: int, script: list[str]) -> list[subprocess.Popen]:
+    """An example on ``world`` processes, launched as torchrun would (with the environment it sets): a
+    launcher interpreter less per run. torchrun itself runs the examples in test_readme.py and
+    test_dlrm_long_run.py."""
+    port, procs = free_port(), []
+    for rank in range(world):
+        ranks = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **ranks}
+        procs.append(subprocess.Popen([sys.executable, *script], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
+    return procs
+
+
+def test_dlrm_example_trains_the_unsharded_model_on_one_two_and_three_processes(tmp_path, monkeypatch, capsys) -> None:
+    import runpy
+
     import torch
 
     import shardvar
     from shardvar.cli._demo_tables import _plain
     from shardvar.cli.dlrm import build, tables, train
 
-    runs = {}
+    steps, size = 8, 96  # the batch divides by 1, 2 and 3; the scale keeps every kind of auto placement
     cases = (("w1", 1, "row"), ("w2", 2, "row"), ("w3", 3, "table"), ("auto2", 2, "auto"), ("auto3", 3, "auto"))
-    for label, world, placement in cases:
-        script = [str(ROOT / "examples" / "dlrm.py"), "--steps", "20", "--batch", "240", "--scale", "0.01",
-                  "--placement", placement, "--save", str(tmp_path / label)]  # fmt: skip
-        launcher = (
-            []
-            if world == 1
-            else ["-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port", str(free_port())]
-        )
-        out = subprocess.run(
-            [sys.executable, *launcher, *script],
-            capture_output=True,
-            text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            timeout=300,
-        )
-        assert out.returncode == 0, out.stdout + out.stderr
-        runs[label] = re.search(r"loss (\d\.\d+) -> (\d\.\d+)", out.stdout).groups()
+
+    def script(label: str, placement: str) -> list[str]:
+        return [str(ROOT / "examples" / "dlrm.py"), "--steps", str(steps), "--batch", str(size), "--scale", "0.01",
+                "--placement", placement, "--save", str(tmp_path / label)]  # fmt: skip
+
+    launched = {label: _ranks(world, script(label, placement)) for label, world, placement in cases if world > 1}
+    # One process: run here, while the others start (the same main, without another start of torch).
+    monkeypatch.setattr(sys, "argv", script("w1", "row"))
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")  # what the example sets; undone after the test
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        runs = {"w1": re.search(r"loss (\d\.\d+) -> (\d\.\d+)", capsys.readouterr().out).groups()}
+        for label, procs in launched.items():
+            outs = [p.communicate(timeout=300) for p in procs]
+            for p, (out, err) in zip(procs, outs, strict=True):
+                assert p.returncode == 0, label + out + err
+            runs[label] = re.search(r"loss (\d\.\d+) -> (\d\.\d+)", outs[0][0]).groups()
+    finally:  # a failure above leaves no run behind
+        for p in (p for procs in launched.values() for p in procs):
+            p.kill()
+            p.communicate()
     assert len(set(runs.values())) == 1, runs  # row-wise, table-wise, replicated and mixed placements alike
     configs = tables(0.01)
     plain = _plain(build(configs, 1), configs)  # one nn.EmbeddingBag per table, the same initial values
-    train(plain, configs, 20, 240, 0.1)
+    train(plain, configs, steps, size, 0.1)
     names = shardvar.checkpoint.Manifest.read(tmp_path / "w1").variables
     assert sum(".embedding_bags." in n for n in names) == 26
     for name in names:
