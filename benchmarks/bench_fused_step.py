@@ -159,12 +159,15 @@ def main() -> None:
     parser.add_argument("--shards", default="1,8", help="mod shards per table, comma-separated")
     parser.add_argument("--optimizers", default="adagrad,adam", help=f"of {sorted(OURS)}, comma-separated")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 steadies a loaded machine)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (a check that it runs)")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # which,optimizer,shards: one memory measurement
     args = parser.parse_args()
     if args.quick:
         args.tables, args.rows_log2, args.batch, args.rounds = 2, 10, 64, 1
     warnings.filterwarnings("ignore", "Sparse invariant checks")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     setup = Setup(args)
     if args.child:
         which, opt, shards = args.child.split(",")

@@ -53,11 +53,11 @@ def row_gradient(
     keys = rows.to(torch.int32) if shape[0] <= torch.iinfo(torch.int32).max else rows
     ordered, order = torch.sort(keys, stable=True)
     del keys
-    bag = torch.searchsorted(offsets, order, right=True).sub_(1)  # each sorted id's bag (offsets ascend)
+    bag, lengths = _bag_of(offsets, n)
+    bag = bag.index_select(0, order)  # each sorted id's bag (a gather: several times a binary search's speed)
     weight = None if scale is None else scale.index_select(0, order)
     if mode == "mean":
-        lengths = torch.diff(offsets, append=offsets.new_tensor([n])).clamp_(min=1).to(grad.dtype)
-        share = lengths.reciprocal_().index_select(0, bag)
+        share = lengths.clamp(min=1).to(grad.dtype).reciprocal_().index_select(0, bag)
         weight = share if weight is None else weight.mul_(share)
     del order
     bounds = [(start, stop) for start, stop, _ in sinks]

@@ -12,6 +12,8 @@ has nothing left to do; ``handle.remove()`` restores the ordinary behaviour.
 A table held in one slab also gets a sink (``ShardStore.sink``): a sparse collection's backward
 sums its rows' gradient and hands it straight to the update, table by table, before the next
 table's is summed, so the gradients of all tables never exist at once (FBGEMM's fused backward).
+A collection called twice before one backward thus updates its tables once per call, as
+FBGEMM's does; a table read twice by other lookups is updated once, with the summed gradient.
 """
 
 from __future__ import annotations

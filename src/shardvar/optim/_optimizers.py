@@ -26,6 +26,11 @@ def _decayed(w: torch.Tensor, g: torch.Tensor, o: dict[str, Any]) -> torch.Tenso
     return g.add(w, alpha=o["weight_decay"]) if o["weight_decay"] else g
 
 
+def _row_mean_square(g: torch.Tensor) -> torch.Tensor:
+    """Each row's mean squared value (the norm, squared: no squared copy of the rows)."""
+    return torch.linalg.vector_norm(g, dim=1).square_().div_(max(g.shape[1], 1))
+
+
 def _betas(o: dict[str, Any]) -> tuple[float, float]:
     b1, b2 = o["betas"]
     return float(b1), float(b2)
@@ -114,7 +119,7 @@ class RowWiseAdagrad(TableOptimizer):
     @staticmethod
     def update(w: torch.Tensor, s: dict, g: torch.Tensor, step: int, o: dict, sparse: bool) -> None:
         g = _decayed(w, g, o)
-        total = s["sum"].add_(g.pow(2).mean(1))
+        total = s["sum"].add_(_row_mean_square(g))
         w.addcdiv_(g, total.sqrt().add_(o["eps"]).unsqueeze(1), value=-o["lr"])
 
 
@@ -160,7 +165,7 @@ class RowWiseAdam(Adam):
         g = _decayed(w, g, o)
         b1, b2 = _betas(o)
         m = s["exp_avg"].lerp_(g, 1 - b1)
-        v = s["exp_avg_sq"].mul_(b2).add_(g.pow(2).mean(1), alpha=1 - b2)
+        v = s["exp_avg_sq"].mul_(b2).add_(_row_mean_square(g), alpha=1 - b2)
         bc1, bc2 = 1 - b1**step, 1 - b2**step
         denom = v.sqrt().div_(math.sqrt(bc2)).add_(o["eps"]).unsqueeze(1)
         w.addcdiv_(m, denom, value=-o["lr"] / bc1)
