@@ -121,7 +121,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="small sizes, 1 round (a smoke test)")
     p.add_argument("--only", action="append", choices=["goal", "paths", "train", "checkpoint", "demo"])
-    p.add_argument("--demo-steps", type=int, default=300, help="training steps of the timed demo")
+    p.add_argument("--demo-steps", type=int, default=100, help="training steps of the timed demo")
     p.add_argument("--rows-log2", type=int, default=19, help="2^N table rows of the paths (the goal's: 2^20)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
