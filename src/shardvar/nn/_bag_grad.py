@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..variables._distinct import sort_stable
+
 __all__ = ["sparse_bag"]
 
 
@@ -49,10 +51,7 @@ def row_gradient(
     exist at a time); None when the sinks took every row.
     """
     n = rows.numel()
-    # A stable sort takes torch's radix path; 32-bit keys halve its passes over memory.
-    keys = rows.to(torch.int32) if shape[0] <= torch.iinfo(torch.int32).max else rows
-    ordered, order = torch.sort(keys, stable=True)
-    del keys
+    ordered, order = sort_stable(rows, shape[0])
     bag, lengths = _bag_of(offsets, n)
     bag = bag.index_select(0, order)  # each sorted id's bag (a gather: several times a binary search's speed)
     weight = None if scale is None else scale.index_select(0, order)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from .._recycle import Recycler
 from ._gather import _plain, select_rows
 
-__all__ = ["Distinct", "distinct", "expand"]
+__all__ = ["Distinct", "distinct", "expand", "sort_stable"]
 
 
 class Distinct(NamedTuple):
@@ -37,14 +37,21 @@ class Distinct(NamedTuple):
     offsets: torch.Tensor
 
 
+def sort_stable(keys: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.sort(keys, stable=True)`` of 1-D integer keys in ``[0, bound)``: (sorted keys, order).
+
+    A stable sort of integers takes torch's radix path; 32-bit keys, where they fit, halve its
+    passes over memory (~1.4x faster). The sorted keys come back narrowed.
+    """
+    narrow = keys.to(torch.int32) if bound <= torch.iinfo(torch.int32).max else keys
+    return torch.sort(narrow, stable=True)
+
+
 def distinct(ids: torch.Tensor, bound: int, key: torch.Tensor | None = None) -> Distinct:
     """The distinct values of 1-D ``ids``, sorted by ``key`` (one value per id, equal for equal ids;
     default the id itself); every key is in ``[0, bound)`` (an id outside it must not reach here)."""
-    key = ids if key is None else key
-    if bound <= torch.iinfo(torch.int32).max:
-        key = key.to(torch.int32)  # a narrower sort key: torch sorts it ~1.4x faster
     # Stable, so that each group keeps its occurrences in input order (the sums add in that order).
-    sorted_key, order = torch.sort(key, stable=True)
+    sorted_key, order = sort_stable(ids if key is None else key, bound)
     _, grouped, counts = torch.unique_consecutive(sorted_key, return_inverse=True, return_counts=True)
     offsets = counts.cumsum(0).sub_(counts)
     first = order.index_select(0, offsets)
