@@ -79,14 +79,19 @@ def batched(
     processes (``dist_workers.many``): the cases of a parametrized test pay for one start of torch
     per rank instead of one per case. A job that must end its process cannot be batched.
     """
-    done: dict[int, dict[Hashable, list[Any]]] = {}
+    done: dict[int, dict[Hashable, list[Any]] | AssertionError] = {}
 
     def results(key: Hashable) -> list[Any]:
         world = jobs[key][0]
         if world not in done:
             keys = [k for k, (w, _, _) in jobs.items() if w == world]
-            runs = run_ranks(world, "many", out_dir(), 120 + 60 * len(keys), jobs=[jobs[k][1:] for k in keys])
-            done[world] = {k: [rank["jobs"][i] for rank in runs] for i, k in enumerate(keys)}
+            try:
+                runs = run_ranks(world, "many", out_dir(), 120 + 60 * len(keys), jobs=[jobs[k][1:] for k in keys])
+                done[world] = {k: [rank["jobs"][i] for rank in runs] for i, k in enumerate(keys)}
+            except AssertionError as e:  # every case of the batch fails with it, without running it again
+                done[world] = e
+        if isinstance(done[world], AssertionError):
+            raise done[world]
         return done[world][key]
 
     return results
