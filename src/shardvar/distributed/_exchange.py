@@ -122,7 +122,7 @@ class _ExchangeRows(torch.autograd.Function):
             local = torch.empty(0, width, dtype=store.dtype, device=ids.device)
         back = store.recycler.take("exchange rows", (sum(send_list), width), store.dtype, ids.device)
         ex.comm.all_to_all(back, local.contiguous(), send_list, recv_list, "rows")
-        rows = back if order.numel() < 2 else empty_like(back).index_copy_(0, order, back)
+        rows = empty_like(back).index_copy_(0, order, back) if order.numel() else back  # empty: in owner order
         return rows, order, recv_ids, torch.tensor(send_list), torch.tensor(recv_list)
 
     @staticmethod
@@ -141,7 +141,7 @@ class _ExchangeRows(torch.autograd.Function):
         send_list, recv_list = ctx.counts
         ex, store = ctx.ex, ctx.store
         received = store.recycler.take("exchange grads", (sum(recv_list), grad.shape[1]), grad.dtype, grad.device)
-        send = grad if order.numel() < 2 else grad.index_select(0, order)
+        send = grad.index_select(0, order) if order.numel() else grad
         ex.comm.all_to_all(received, send.contiguous(), recv_list, send_list, "gradients")
         grads = functional.scatter_grads(store, recv_ids, received, ctx.sparse) if store.local_shards() else {}
         shards = tuple(grads.get(s) for s in store.local_shards())

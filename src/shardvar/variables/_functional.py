@@ -119,12 +119,13 @@ def _source(
 
 
 def _distinct(store: ShardStore, ids: torch.Tensor, exchange: Any) -> Distinct:
+    unchecked = torch.iinfo(torch.int64).max  # the bound of ids nobody checked: no narrower sort key
     if exchange is None:  # valid ids (checked on the host), unless a torch.func transform hides them
-        return distinct(ids, (1 << 63) - 1 if _transformed(ids) else store.layout.num_rows)
+        return distinct(ids, unchecked if _transformed(ids) else store.layout.num_rows)
     # Grouped by owning rank (the rows come back in that order), if every id is valid; an invalid
     # one is sent as it is, and the exchange reports it on every rank.
     grouping = exchange.grouping_key(store, ids)
-    return distinct(ids, (1 << 63) - 1) if grouping is None else distinct(ids, grouping[1], grouping[0])
+    return distinct(ids, unchecked) if grouping is None else distinct(ids, grouping[1], grouping[0])
 
 
 def renorm(store: ShardStore, ids: torch.Tensor, max_norm: float, norm_type: float) -> None:

@@ -29,10 +29,10 @@ def _fresh(nbytes: int, device: torch.device) -> bool:
     return nbytes >= FRESH_BYTES and advisable(nbytes, device)
 
 
-def select_rows(weight: torch.Tensor, indices: torch.Tensor, fresh: int = FRESH_BYTES) -> torch.Tensor:
+def select_rows(weight: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """``weight.index_select(0, indices)`` for a 2-D weight, into a huge-page buffer where that pays."""
     nbytes = indices.numel() * weight.shape[1] * weight.element_size()
-    if not (nbytes >= fresh and advisable(nbytes, weight.device)):
+    if not _fresh(nbytes, weight.device):
         return weight.index_select(0, indices)
     out = empty((indices.numel(), weight.shape[1]), dtype=weight.dtype, device=weight.device)
     return torch.index_select(weight, 0, indices, out=out)
