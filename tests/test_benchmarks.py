@@ -40,5 +40,7 @@ def test_the_guard_has_a_committed_baseline_for_every_path() -> None:
 
     committed = json.loads((BENCHMARKS / "baseline.json").read_text())
     assert 0 < committed["tolerance"] < 1
-    assert [name for name, _ in guard.CASES] == list(committed["ratios"])
+    rows = [name for name, _ in guard.CASES] + [name + guard.ON for name in guard.HUGE_PAGES]
+    assert rows == list(committed["ratios"])
+    assert set(guard.HUGE_PAGES) <= set(dict(guard.CASES))
     assert all(r > 0 for r in committed["ratios"].values())

@@ -222,19 +222,21 @@ def test_small_lookups_and_max_norm_stay_torch_own() -> None:
 
 
 @pytest.mark.parametrize("strategy", ["div", "mod"])
-def test_a_sparse_gradient_split_by_shard_is_huge_page_backed_and_unchanged(strategy) -> None:
+def test_a_sparse_gradient_split_by_shard_is_coalesced_huge_page_backed_and_unchanged(strategy) -> None:
     torch.manual_seed(0)
-    plain = nn.Embedding(4096, 64, sparse=True)
+    plain = nn.Embedding(1 << 16, 64, sparse=True)
     emb = ShardedEmbedding.from_pretrained(
         plain.weight, freeze=False, sparse=True, partitioner=4, partition_strategy=strategy
     )
-    ids = torch.randint(0, 4096, (1 << 14,))  # 4 MiB of gradient rows, reordered by shard
+    ids = torch.randint(0, 1 << 16, (1 << 14,))  # ~3.5 MiB of distinct gradient rows
     emb(ids).pow(2).sum().backward()
     plain(ids).pow(2).sum().backward()
     grads = [p.grad for p in emb.parameters()]
     assert all(g.is_sparse for g in grads)
+    for g in grads:  # coalesced: distinct rows, ascending (torch's AccumulateGrad drops the flag itself)
+        assert torch.equal(g._indices()[0], g._indices()[0].unique())
     values = grads[0]._values()
-    if MADVISE:  # every shard's values are views of one reordered buffer
+    if MADVISE:  # every shard's values are views of one buffer of summed rows
         assert "hg" in _vm_flags(-(-values.data_ptr() // _pages.HUGE_PAGE) * _pages.HUGE_PAGE)
     whole = emb.store.layout.join([g.to_dense() for g in grads])
     torch.testing.assert_close(whole, plain.weight.grad.to_dense(), rtol=0, atol=0)
