@@ -26,7 +26,7 @@ from ..layout import Layout, as_ids, check_ids
 from ..variables import ShardedVariable
 from ..variables._functional import _check_bag, slab_weight
 from ..variables._memory import as_slab
-from ._bag_grad import sparse_bag
+from ._bag_grad import Part, sparse_bag
 from ._collection_build import build_tables
 from ._embedding import ShardedEmbedding, ShardedEmbeddingBag
 from ._jagged import KeyedJagged, check_names, jagged_split
@@ -273,13 +273,14 @@ def _lookup_group(
         return {f: x for n in names for f, x in _lookup_table(tables[n], n, present, table_of, inputs).items()}
     starts = dict(zip(names, _starts(tables, names), strict=True))
     layouts = {n: tables[n].layout for n in names}
+    place = {n: i for i, n in enumerate(names)}  # each table's features together, tables in row order
+    present = sorted(present, key=lambda f: place[table_of[f]])
     rows, offs, psw, counts = pack(present, table_of, layouts, starts, store.dtype, *inputs)
     table, weight = tables[names[0]], slab_weight(store)
     if pooling(table) is None:  # a sequence collection: every id's row, bag by bag
         return jagged_split(F.embedding(rows, weight, sparse=table.sparse), offs, counts, present)
     if table.sparse and table.mode != "max":  # each distinct row's gradient, summed over its bags at once
-        sinks = [(starts[n], starts[n] + tables[n].num_embeddings, tables[n].store.sink) for n in names]
-        pooled = sparse_bag(rows, weight, offs, table.mode, psw, [x for x in sinks if x[2] is not None])
+        pooled = sparse_bag(rows, weight, offs, table.mode, psw, _parts(tables, present, table_of, starts, counts))
     else:
         pooled = F.embedding_bag(rows, weight, offs, mode=table.mode, sparse=table.sparse, per_sample_weights=psw)
     return dict(zip(present, pooled.split(counts), strict=True))
@@ -339,6 +340,26 @@ def pack(
         elif weighted:  # weight 1 is exactly an unweighted sum: the group's other features keep theirs
             psw.append(torch.ones(ids.numel(), dtype=dtype, device=ids.device))
     return torch.cat(rows), torch.cat(offs), torch.cat(psw) if psw else None, counts
+
+
+def _parts(
+    tables: Mapping[str, Table],
+    present: list[str],
+    table_of: Mapping[str, str],
+    starts: Mapping[str, int],
+    counts: list[int],
+) -> list[Part]:
+    """Each table's bags (its features', together in ``present``) and rows, with its fused optimizer's sink."""
+    parts: list[Part] = []
+    bag = 0
+    for f, count in zip(present, counts, strict=True):
+        t = table_of[f]
+        if parts and parts[-1].start == starts[t]:  # the table's next feature
+            parts[-1] = parts[-1]._replace(bags_hi=bag + count)
+        else:
+            parts.append(Part(bag, bag + count, starts[t], starts[t] + tables[t].num_embeddings, tables[t].store.sink))
+        bag += count
+    return parts
 
 
 def _starts(tables: Mapping[str, Table], names: list[str]) -> list[int]:
