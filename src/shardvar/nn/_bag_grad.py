@@ -46,6 +46,8 @@ class Part(NamedTuple):
     sink: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
 
+MODES = {"sum": 0, "mean": 1}  # the kernel's codes
+
 # The rows a sink takes at once: their summed gradient and the optimizer's copy of them stay small
 # (and in cache), whatever the batch; one call of a few kernels per 4096 rows of 64 floats.
 SINK_BYTES = 1 << 20
@@ -142,7 +144,12 @@ class _SparseBag(torch.autograd.Function):
     def forward(
         rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, psw: Any, mode: str, parts: Any
     ) -> torch.Tensor:
-        return F.embedding_bag(rows, weight, offsets, mode=mode, per_sample_weights=psw)
+        # The kernel without what its own backward keeps (each id's bag: a per-id array and a pass);
+        # ``F.embedding_bag`` would take that path, the weight requiring grad. (Its ``.out`` form
+        # computes into a fresh tensor and copies: no help.)
+        return torch.ops.aten._embedding_bag_forward_only(
+            weight, rows, offsets, False, MODES[mode], False, psw, False, -1
+        )[0]
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
