@@ -6,8 +6,11 @@ sums again. Here the gradient of the distinct rows is computed at once as ``S @ 
 ``S[u, b]`` being the weight of row ``u`` in bag ``b`` (its per-sample weights summed, divided by
 the bag's length for mean bags). That product is itself a pooled lookup: once the ids are sorted,
 the ids of each distinct row are a "bag" of bag numbers, and ``F.embedding_bag`` over the bags'
-gradient sums them (FBGEMM's kernel, as its CPU backward does). The work is one radix sort of the
-ids and one pass over them, never a per-id copy of the gradient, and the result is coalesced.
+gradient sums them (FBGEMM's kernel, as its CPU backward does). The work is a radix sort of each
+table's ids and one pass over them, never a per-id copy of the gradient, and the result is
+coalesced. A collection's tables are done one at a time (its ids are packed table by table), so
+the sort's arrays are one table's, and a fused optimizer's rows are summed and updated a slice
+at a time: the step's peak holds the batch's rows and the bags' gradient, little else.
 """
 
 from __future__ import annotations
