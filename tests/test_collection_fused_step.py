@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import shardvar
+import shardvar.nn._bag_grad as bag_grad
 import shardvar.nn._collection_build as build
 from shardvar import optim as so
 
@@ -42,7 +43,10 @@ def test_tables_are_drawn_in_their_groups_allocation_as_their_own_constructors_d
 
 @pytest.mark.parametrize("optimizer", ["RowWiseAdagrad", "RowWiseAdam"])
 @pytest.mark.parametrize("shards", [1, 4])
-def test_the_fused_step_equals_each_table_trained_on_its_own(optimizer, shards) -> None:
+@pytest.mark.parametrize("sliced", [False, True])
+def test_the_fused_step_equals_each_table_trained_on_its_own(monkeypatch, optimizer, shards, sliced) -> None:
+    if sliced:  # the rows a sink takes at once: 3 rows of 8 floats, so each table's rows come in many slices
+        monkeypatch.setattr(bag_grad, "SINK_BYTES", 3 * 8 * 4)
     configs = {k: shardvar.TableConfig(60 + 7 * i, 8, shards, "mod") for i, k in enumerate("xyz")}
     configs["w"] = shardvar.TableConfig(40, 4, shards)  # a table of its own width: a group apart
     ebc = shardvar.EmbeddingBagCollection(configs, sparse=True)
@@ -66,6 +70,29 @@ def test_the_fused_step_equals_each_table_trained_on_its_own(optimizer, shards) 
     for k, bag in plain.items():
         torch.testing.assert_close(ebc.embedding_bags[k].weight.to_tensor(), bag.weight.detach(), atol=1e-6, rtol=0)
     assert all(int(t.step) == 4 for t in fused.tables)
+
+
+def test_a_table_whose_features_are_apart_in_the_input_is_updated_once_with_their_summed_gradient() -> None:
+    configs = {"t": shardvar.TableConfig(30, 4, 2, "mod", feature_names=["q", "c"]), "u": shardvar.TableConfig(20, 4)}
+    ebc = shardvar.EmbeddingBagCollection(configs, sparse=True)
+    alone = nn.ModuleDict(
+        {k: nn.EmbeddingBag(c.num_embeddings, 4, mode="sum", sparse=True) for k, c in configs.items()}
+    )
+    for k, bag in alone.items():
+        bag.load_state_dict(ebc.embedding_bags[k].state_dict())
+    fused, theirs = so.RowWiseAdagrad(ebc, lr=0.1), so.RowWiseAdagrad(alone, lr=0.1)
+    so.fuse(fused)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):  # "u" between the two features of "t": the input is not in table order
+        ids = {f: torch.randint(0, 20, (6, 3), generator=g) for f in ("q", "u", "c")}
+        sum(v.pow(2).sum() for v in ebc(ids).values()).backward()
+        pooled = {"q": alone["t"](ids["q"]), "u": alone["u"](ids["u"]), "c": alone["t"](ids["c"])}
+        sum(v.pow(2).sum() for v in pooled.values()).backward()
+        theirs.step()
+        theirs.zero_grad()
+    for k, bag in alone.items():
+        torch.testing.assert_close(ebc.embedding_bags[k].weight.to_tensor(), bag.weight.detach(), atol=1e-6, rtol=0)
+    assert [int(t.step) for t in fused.tables] == [3, 3]
 
 
 PEAK = """
