@@ -100,7 +100,7 @@ def _bag_call(data, v, rows: int, ids: list[int]):
 
 @given(tables(dtypes=(torch.float32, torch.float64, torch.bfloat16)), st.data())
 @settings(max_examples=200, deadline=None)
-def test_a_bad_id_in_a_bag_is_named_and_changes_nothing(table, data) -> None:
+def test_a_bad_id_in_a_lookup_or_bag_is_named_and_changes_nothing(table, data) -> None:
     """Checked up front, or (valid-looking div slabs on the CPU) only once the torch op refuses it:
     the same error, naming the first bad id and its position, either way."""
     v, full, kind = table
@@ -109,7 +109,13 @@ def test_a_bad_id_in_a_bag_is_named_and_changes_nothing(table, data) -> None:
     for _ in range(data.draw(st.integers(1, 2))):
         bad = data.draw(st.sampled_from([rows, rows + 5, -1, -rows - 1, 2**40]))
         ids.insert(data.draw(st.integers(0, len(ids))), bad)
-    call, t = _bag_call(data, v, rows, ids)
+    if data.draw(st.booleans()):
+        call, t = _bag_call(data, v, rows, ids)
+    else:  # a plain lookup, 1-D or 2-D
+        t = torch.tensor(ids)
+        t = t.reshape(2, -1) if len(ids) % 2 == 0 and data.draw(st.booleans()) else t
+        padding_idx = data.draw(st.none() | st.integers(0, rows - 1))
+        call = lambda: shardvar.variables.functional.embedding(v.store, t, padding_idx=padding_idx)  # noqa: E731
     flat = int(torch.nonzero((t.reshape(-1) < 0) | (t.reshape(-1) >= rows))[0])
     position = flat if t.dim() == 1 else tuple(divmod(flat, t.shape[1]))
     before = [p.detach().clone() for p in v.variables]
@@ -163,4 +169,6 @@ def test_valid_ids_of_a_div_slab_are_read_once_by_the_op(monkeypatch) -> None:
         v = shardvar.shard_tensor(full, Layout.balanced(strategy, 12, 4))
         got = _functional.embedding_bag(v.store, ids, offsets, mode="sum", max_norm=max_norm)
         torch.testing.assert_close(got, F.embedding_bag(ids, full.clone(), offsets, mode="sum", max_norm=max_norm))
-        assert scanned == want, (strategy, max_norm, scanned)
+        got = _functional.embedding(v.store, ids, max_norm=max_norm)
+        torch.testing.assert_close(got, F.embedding(ids, full.clone(), max_norm=max_norm))
+        assert scanned == want * 2, (strategy, max_norm, scanned)

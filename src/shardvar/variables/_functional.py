@@ -14,6 +14,8 @@ Either way the torch op itself handles padding, bags, per-sample weights and spa
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -96,11 +98,12 @@ def _source(
         return _Source(weight, ids, padding_idx, None, False)
     exchange = _exchange(store)
     if exchange is None and store.full_slab is not None and not by_rows:
-        rows = store.slab_rows(ids)
+        logical = store.logical_slab  # ids are the slab's rows
+        rows = ids if logical else store.slab_rows(ids)
         if _transformed(ids):
             rows = _poison_bad(ids, rows, store.layout.num_rows)
         pad = padding_idx
-        if padding_idx is not None and not store.logical_slab:
+        if padding_idx is not None and not logical:
             pad = int(store.slab_rows(torch.tensor([padding_idx], device=ids.device))[0])
         return _Source(slab_weight(store), rows, pad, max_norm, sparse)
     found = _distinct(store, ids, exchange)
@@ -169,11 +172,12 @@ def _ids(store: ShardStore, ids: Any, check: bool = True) -> torch.Tensor:
 def _op_checks_ids(store: ShardStore, ids: Any, max_norm: float | None) -> bool:
     """Whether the torch op will read ``ids`` unchanged and refuse one outside the table before any write.
 
-    So on the CPU (whose embedding kernels check every index; CUDA's do not) when the ids are the
-    rows of one full slab in logical order (div shards: a mod layout maps ids to storage rows,
-    where a bad id may land on a good row) and nothing reads them first: no max_norm (which
-    renormalises rows in place before the op), no exchange, no torch.func transform or
-    compilation. Such ids are checked only if the op refuses them, for the error every lookup gives.
+    So on the CPU (whose embedding, embedding_bag and index_select kernels check every index; CUDA's
+    do not) when the ids are the rows of one full slab in logical order (div shards: a mod layout
+    maps ids to storage rows, where a bad id may land on a good row) and nothing reads them first:
+    no max_norm (which renormalises rows in place before the op), no exchange, no torch.func
+    transform or compilation. Such ids are checked only if the op refuses them
+    (:func:`_refused_ids`): an O(n) pass saved on every valid lookup, the same error for a bad one.
     """
     return (
         store.logical_slab
@@ -218,7 +222,8 @@ def _prepare(
     deferred = defer and _op_checks_ids(store, ids, max_norm)
     ids = _ids(store, ids, check=not deferred)
     _check_sparse(store, check_bool(sparse, "sparse"))
-    return ids, check_padding_idx(padding_idx, store.layout.num_rows), max_norm, norm_type, deferred
+    pad = None if padding_idx is None else check_padding_idx(padding_idx, store.layout.num_rows)
+    return ids, pad, max_norm, norm_type, deferred
 
 
 def embedding(
@@ -237,14 +242,13 @@ def embedding(
     """
 
     def lookup(ids: Any) -> torch.Tensor:
-        ids, pad, clip, norm, _ = _prepare(store, ids, padding_idx, max_norm, norm_type, sparse)
+        ids, pad, clip, norm, deferred = _prepare(store, ids, padding_idx, max_norm, norm_type, sparse, defer=True)
         src = _source(store, ids.reshape(-1), pad, clip, norm, sparse)
         if src.distinct is not None and not scale_grad_by_freq:
             out = expand(src.weight, src.distinct, store.recycler)
         else:
-            out = _gather.embedding(
-                src.indices, src.weight, src.padding_idx, src.max_norm, norm, scale_grad_by_freq, src.sparse
-            )
+            args = (src.indices, src.weight, src.padding_idx, src.max_norm, norm, scale_grad_by_freq, src.sparse)
+            out = _refused_ids(functools.partial(_gather.embedding, *args), deferred, store, ids)
         return out.reshape((*ids.shape, *store.row_shape))  # a tuple: 0-d ids of 1-D params give a 0-d result
 
     return on_values(ids, lookup)
@@ -335,11 +339,17 @@ def embedding_bag(
     src = _source(store, ids if ids.dim() == 1 else ids.reshape(-1), padding_idx, max_norm, norm_type, sparse, by_rows)
     indices = src.indices if src.indices.shape == ids.shape else src.indices.reshape(ids.shape)
     options = (src.max_norm, norm_type, scale_grad_by_freq, mode, src.sparse, weights, include_last_offset)
+    op = functools.partial(F.embedding_bag, indices, src.weight, offsets, *options, src.padding_idx)
+    return _refused_ids(op, deferred, store, ids)
+
+
+def _refused_ids(op: Callable[[], torch.Tensor], deferred: bool, store: ShardStore, ids: torch.Tensor) -> torch.Tensor:
+    """``op()``; if it fails on ids left to it (``deferred``), the error every lookup gives for a bad id."""
     try:
-        return F.embedding_bag(indices, src.weight, offsets, *options, src.padding_idx)
+        return op()
     except (RuntimeError, IndexError) as e:
         if not deferred:
             raise
         error = e
-    check_ids(ids, store.layout.num_rows)  # the op refused an id: the error every lookup gives
+    check_ids(ids, store.layout.num_rows)  # names the first bad id; if none is, the op failed for another reason
     raise error
