@@ -77,9 +77,9 @@ def slab_weight(store: ShardStore) -> torch.Tensor:
         # One shard is the table: no Function, no copy, nothing to pay for sharding.
         return shards[0].view(store.full_slab.shape) if shards[0].dim() != 2 else shards[0]
     if not torch.is_grad_enabled() or not any(s.requires_grad for s in shards):
-        # Nothing to differentiate: the slab as it is (the Function's bookkeeping costs more than
-        # the checks of a lookup; its output would not require grad either).
-        return store.full_slab.detach()
+        # Nothing to differentiate: the slab tensor itself, which requires no grad (the Function's
+        # bookkeeping costs more than the checks of a lookup; its output would not require grad either).
+        return store.full_slab
     return SlabView.apply(store, *shards)
 
 
@@ -262,7 +262,15 @@ def _check_sparse(store: ShardStore, sparse: bool) -> None:
         )
 
 
-def _check_bag(ids: torch.Tensor, offsets: torch.Tensor | None, include_last_offset: bool) -> torch.Tensor | None:
+def _check_bag(
+    ids: torch.Tensor, offsets: torch.Tensor | None, include_last_offset: bool, op_checks_ends: bool = False
+) -> torch.Tensor | None:
+    """Offsets of 1-D ``ids`` (None for 2-D), or the error naming what is wrong with them.
+
+    With ``op_checks_ends`` (the CPU op, where it also checks the ids: :func:`_op_checks_ids`) the
+    first and last offset are left to the op, which refuses a first other than 0 or a last past the
+    ids before it reads anything; :func:`_refused_ids` then names them. Their order never is.
+    """
     if ids.dim() == 2:
         if offsets is not None:
             raise ShardvarValueError(
@@ -277,12 +285,14 @@ def _check_bag(ids: torch.Tensor, offsets: torch.Tensor | None, include_last_off
     offsets = as_ids(offsets)  # checked where they are (a meta table's ids are meta), then moved
     if offsets.dim() != 1 or offsets.numel() == 0:
         raise ShardvarValueError(f"offsets must be 1-D, non-empty and start at 0; got {offsets.tolist()[:8]}")
+    # Checked first on every device: not every torch kernel refuses decreasing offsets (CPU max
+    # bags, padded sum bags read them as sorted).
+    if op_checks_ends and not include_last_offset and not bool(torch.lt(offsets[1:], offsets[:-1]).any()):
+        return offsets if offsets.device == ids.device else offsets.to(ids.device)
     ends = offsets[:: max(offsets.numel() - 1, 1)].tolist()  # the first and last offset, read at once
     first, last = ends[0], ends[-1]
     if first != 0:
         raise ShardvarValueError(f"offsets must be 1-D, non-empty and start at 0; got {offsets.tolist()[:8]}")
-    # Checked first on every device: not every torch kernel refuses decreasing offsets (CPU max
-    # bags, padded sum bags read them as sorted).
     if last > ids.numel() or bool(torch.lt(offsets[1:], offsets[:-1]).any()):
         raise ShardvarValueError(
             f"offsets must be non-decreasing and at most len(input)={ids.numel()}; got {offsets.tolist()[:8]}"
@@ -334,22 +344,27 @@ def embedding_bag(
     ids, padding_idx, max_norm, norm_type, deferred = _prepare(
         store, ids, padding_idx, max_norm, norm_type, sparse, defer=not by_rows
     )
-    offsets = _check_bag(ids, offsets, include_last_offset)
+    checked = _check_bag(ids, offsets, include_last_offset, op_checks_ends=deferred)
     weights = _check_weights(per_sample_weights, ids, mode, store.dtype)
     src = _source(store, ids if ids.dim() == 1 else ids.reshape(-1), padding_idx, max_norm, norm_type, sparse, by_rows)
     indices = src.indices if src.indices.shape == ids.shape else src.indices.reshape(ids.shape)
     options = (src.max_norm, norm_type, scale_grad_by_freq, mode, src.sparse, weights, include_last_offset)
-    op = functools.partial(F.embedding_bag, indices, src.weight, offsets, *options, src.padding_idx)
-    return _refused_ids(op, deferred, store, ids)
+    op = functools.partial(F.embedding_bag, indices, src.weight, checked, *options, src.padding_idx)
+    return _refused_ids(op, deferred, store, ids, (offsets, include_last_offset))
 
 
-def _refused_ids(op: Callable[[], torch.Tensor], deferred: bool, store: ShardStore, ids: torch.Tensor) -> torch.Tensor:
-    """``op()``; if it fails on ids left to it (``deferred``), the error every lookup gives for a bad id."""
+def _refused_ids(
+    op: Callable[[], torch.Tensor], deferred: bool, store: ShardStore, ids: torch.Tensor, bag: tuple | None = None
+) -> torch.Tensor:
+    """``op()``; if it fails on what was left to it (``deferred``: the ids, a bag's first and last
+    offset), the error shardvar gives for them, in the order it checks them; else the op's own."""
     try:
         return op()
     except (RuntimeError, IndexError) as e:
         if not deferred:
             raise
         error = e
-    check_ids(ids, store.layout.num_rows)  # names the first bad id; if none is, the op failed for another reason
+    check_ids(ids, store.layout.num_rows)  # names the first bad id
+    if bag is not None:
+        _check_bag(ids, *bag)  # (offsets, include_last_offset): names bad ends
     raise error
