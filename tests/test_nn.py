@@ -138,6 +138,11 @@ def test_initial_values_do_not_depend_on_the_layout() -> None:
         ),
         (lambda: shardvar.ShardedEmbeddingBag(10, 2)(torch.tensor([1, 2])), ValueError, "1-D with offsets"),
         (
+            lambda: shardvar.ShardedEmbeddingBag(10, 2, partitioner=2)(torch.tensor([1, 10, -1]), torch.tensor([0])),
+            IndexError,
+            r"ids must be in \[0, 10\); got 10 at position 1",
+        ),
+        (
             lambda: shardvar.ShardedEmbeddingBag(10, 2, mode="mean")(
                 torch.tensor([1]), torch.tensor([0]), torch.ones(1)
             ),

@@ -50,7 +50,7 @@ def as_ids(ids: object, device: torch.device | str | None = None, *, allow_meta:
             raise ShardvarIndexError(f"ids must fit in int64; got {value} at position {at}")
     if device is not None:
         t = t.to(device)
-    return t.to(torch.int64)
+    return t if t.dtype == torch.int64 else t.to(torch.int64)  # no call at all for the usual ids
 
 
 def check_ids(ids: torch.Tensor, num_rows: int) -> None:

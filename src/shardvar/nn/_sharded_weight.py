@@ -9,6 +9,7 @@ shard, opt-in).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,11 +64,13 @@ class ShardedWeight(nn.Module):
     @property
     def store(self) -> ShardStore:
         """The store over this module's shard parameters (rebuilt if they were replaced or moved)."""
-        registered = self._parameters
         if self.__dict__.get("_registered_store") is not self._store:
-            self._registered = [(f"shard_{s}", t) for s, t in self._store.local_shards().items()]
+            shards = self._store.local_shards()
+            self._registered = ([f"shard_{s}" for s in shards], list(shards.values()))
             self._registered_store = self._store
-        if any(registered.get(name) is not t for name, t in self._registered):
+        names, tensors = self._registered
+        # Every shard Parameter still the store's (C-level loops: this runs on every forward).
+        if not all(map(operator.is_, map(self._parameters.get, names), tensors)):
             exchange = self._store.exchange  # a shard Parameter was replaced: rebuild over the new ones
             self._store = ShardStore(self._store.layout, self._store.shape, self._shard_params())
             self._store.exchange = exchange

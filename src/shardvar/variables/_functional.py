@@ -14,6 +14,8 @@ Either way the torch op itself handles padding, bags, per-sample weights and spa
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -74,6 +76,10 @@ def slab_weight(store: ShardStore) -> torch.Tensor:
     if len(shards) == 1 and shards[0].is_contiguous():
         # One shard is the table: no Function, no copy, nothing to pay for sharding.
         return shards[0].view(store.full_slab.shape) if shards[0].dim() != 2 else shards[0]
+    if not torch.is_grad_enabled() or not any(s.requires_grad for s in shards):
+        # Nothing to differentiate: the slab tensor itself, which requires no grad (the Function's
+        # bookkeeping costs more than the checks of a lookup; its output would not require grad either).
+        return store.full_slab
     return SlabView.apply(store, *shards)
 
 
@@ -92,11 +98,12 @@ def _source(
         return _Source(weight, ids, padding_idx, None, False)
     exchange = _exchange(store)
     if exchange is None and store.full_slab is not None and not by_rows:
-        rows = store.slab_rows(ids)
+        logical = store.logical_slab  # ids are the slab's rows
+        rows = ids if logical else store.slab_rows(ids)
         if _transformed(ids):
             rows = _poison_bad(ids, rows, store.layout.num_rows)
-        pad = None
-        if padding_idx is not None:
+        pad = padding_idx
+        if padding_idx is not None and not logical:
             pad = int(store.slab_rows(torch.tensor([padding_idx], device=ids.device))[0])
         return _Source(slab_weight(store), rows, pad, max_norm, sparse)
     found = _distinct(store, ids, exchange)
@@ -150,14 +157,38 @@ def _on_meta(store: ShardStore) -> bool:
     return bool(store.groups) and store.groups[0].device.type == "meta"
 
 
-def _ids(store: ShardStore, ids: Any) -> torch.Tensor:
+def _ids(store: ShardStore, ids: Any, check: bool = True) -> torch.Tensor:
+    """``ids`` as an int64 tensor, checked against the table unless ``check`` is False (the caller's op does)."""
     device = store.groups[0].device if store.groups else None
-    t = as_ids(ids, device=None if isinstance(ids, torch.Tensor) else device, allow_meta=_on_meta(store))
-    if _on_meta(store):
+    meta = _on_meta(store)
+    t = as_ids(ids, device=None if isinstance(ids, torch.Tensor) else device, allow_meta=meta)
+    if meta:
         return t.to("meta")  # shapes only: a meta table holds no values to check ids against
-    if _exchange(store) is None and not _transformed(t):
+    if check and _exchange(store) is None and not _transformed(t):
         check_ids(t, store.layout.num_rows)  # a distributed lookup agrees on bad ids across ranks
     return t
+
+
+def _op_checks_ids(store: ShardStore, ids: Any, max_norm: float | None) -> bool:
+    """Whether the torch op will read ``ids`` unchanged and refuse one outside the table before any write.
+
+    So on the CPU (whose embedding, embedding_bag and index_select kernels check every index; CUDA's
+    do not) when the ids are the rows of one full slab in logical order (div shards: a mod layout
+    maps ids to storage rows, where a bad id may land on a good row) and nothing reads them first:
+    no max_norm (which renormalises rows in place before the op), no exchange, no torch.func
+    transform or compilation. Such ids are checked only if the op refuses them
+    (:func:`_refused_ids`): an O(n) pass saved on every valid lookup, the same error for a bad one.
+    """
+    return (
+        store.logical_slab
+        and max_norm is None
+        and isinstance(ids, torch.Tensor)
+        and ids.is_cpu
+        and store.full_slab.is_cpu
+        and _exchange(store) is None
+        and not torch.compiler.is_compiling()
+        and not torch._C._functorch.is_functorch_wrapped_tensor(ids)
+    )
 
 
 def _poison_bad(ids: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -179,14 +210,20 @@ def gather(store: ShardStore, ids: Any) -> torch.Tensor:
 
 
 def _prepare(
-    store: ShardStore, ids: Any, padding_idx: Any, max_norm: Any, norm_type: Any, sparse: bool
-) -> tuple[torch.Tensor, int | None, float | None, float]:
-    """Everything a lookup checks before reading: the store, options, ids and padding index."""
+    store: ShardStore, ids: Any, padding_idx: Any, max_norm: Any, norm_type: Any, sparse: bool, defer: bool = False
+) -> tuple[torch.Tensor, int | None, float | None, float, bool]:
+    """Everything a lookup checks before reading: the store, options, ids and padding index.
+
+    With ``defer`` (the caller reads the full slab with a torch op) the ids are left to the op
+    where it checks them (:func:`_op_checks_ids`); the last value says if they were.
+    """
     store.refresh()
     max_norm, norm_type = _options(store, max_norm, norm_type)
-    ids = _ids(store, ids)
+    deferred = defer and _op_checks_ids(store, ids, max_norm)
+    ids = _ids(store, ids, check=not deferred)
     _check_sparse(store, check_bool(sparse, "sparse"))
-    return ids, check_padding_idx(padding_idx, store.layout.num_rows), max_norm, norm_type
+    pad = None if padding_idx is None else check_padding_idx(padding_idx, store.layout.num_rows)
+    return ids, pad, max_norm, norm_type, deferred
 
 
 def embedding(
@@ -205,14 +242,13 @@ def embedding(
     """
 
     def lookup(ids: Any) -> torch.Tensor:
-        ids, pad, clip, norm = _prepare(store, ids, padding_idx, max_norm, norm_type, sparse)
+        ids, pad, clip, norm, deferred = _prepare(store, ids, padding_idx, max_norm, norm_type, sparse, defer=True)
         src = _source(store, ids.reshape(-1), pad, clip, norm, sparse)
         if src.distinct is not None and not scale_grad_by_freq:
             out = expand(src.weight, src.distinct, store.recycler)
         else:
-            out = _gather.embedding(
-                src.indices, src.weight, src.padding_idx, src.max_norm, norm, scale_grad_by_freq, src.sparse
-            )
+            args = (src.indices, src.weight, src.padding_idx, src.max_norm, norm, scale_grad_by_freq, src.sparse)
+            out = _refused_ids(functools.partial(_gather.embedding, *args), deferred, store, ids)
         return out.reshape((*ids.shape, *store.row_shape))  # a tuple: 0-d ids of 1-D params give a 0-d result
 
     return on_values(ids, lookup)
@@ -226,7 +262,15 @@ def _check_sparse(store: ShardStore, sparse: bool) -> None:
         )
 
 
-def _check_bag(ids: torch.Tensor, offsets: torch.Tensor | None, include_last_offset: bool) -> torch.Tensor | None:
+def _check_bag(
+    ids: torch.Tensor, offsets: torch.Tensor | None, include_last_offset: bool, op_checks_ends: bool = False
+) -> torch.Tensor | None:
+    """Offsets of 1-D ``ids`` (None for 2-D), or the error naming what is wrong with them.
+
+    With ``op_checks_ends`` (the CPU op, where it also checks the ids: :func:`_op_checks_ids`) the
+    first and last offset are left to the op, which refuses a first other than 0 or a last past the
+    ids before it reads anything; :func:`_refused_ids` then names them. Their order never is.
+    """
     if ids.dim() == 2:
         if offsets is not None:
             raise ShardvarValueError(
@@ -239,17 +283,25 @@ def _check_bag(ids: torch.Tensor, offsets: torch.Tensor | None, include_last_off
             f"input must be 2-D, or 1-D with offsets; got shape {list(ids.shape)} and offsets={offsets}"
         )
     offsets = as_ids(offsets)  # checked where they are (a meta table's ids are meta), then moved
-    if offsets.dim() != 1 or offsets.numel() == 0 or int(offsets[0]) != 0:
+    if offsets.dim() != 1 or offsets.numel() == 0:
         raise ShardvarValueError(f"offsets must be 1-D, non-empty and start at 0; got {offsets.tolist()[:8]}")
-    if bool((offsets[1:] < offsets[:-1]).any()) or int(offsets[-1]) > ids.numel():
+    # Checked first on every device: not every torch kernel refuses decreasing offsets (CPU max
+    # bags, padded sum bags read them as sorted).
+    if op_checks_ends and not include_last_offset and not bool(torch.lt(offsets[1:], offsets[:-1]).any()):
+        return offsets if offsets.device == ids.device else offsets.to(ids.device)
+    ends = offsets[:: max(offsets.numel() - 1, 1)].tolist()  # the first and last offset, read at once
+    first, last = ends[0], ends[-1]
+    if first != 0:
+        raise ShardvarValueError(f"offsets must be 1-D, non-empty and start at 0; got {offsets.tolist()[:8]}")
+    if last > ids.numel() or bool(torch.lt(offsets[1:], offsets[:-1]).any()):
         raise ShardvarValueError(
             f"offsets must be non-decreasing and at most len(input)={ids.numel()}; got {offsets.tolist()[:8]}"
         )
-    if include_last_offset and int(offsets[-1]) != ids.numel():
+    if include_last_offset and last != ids.numel():
         raise ShardvarValueError(
-            f"with include_last_offset=True the last offset must equal len(input)={ids.numel()}; got {int(offsets[-1])}"
+            f"with include_last_offset=True the last offset must equal len(input)={ids.numel()}; got {last}"
         )
-    return offsets.to(ids.device)
+    return offsets if offsets.device == ids.device else offsets.to(ids.device)
 
 
 def _check_weights(per_sample_weights: Any, ids: torch.Tensor, mode: str, dtype: torch.dtype) -> torch.Tensor | None:
@@ -287,22 +339,32 @@ def embedding_bag(
     """
     check_choice(mode, "mode", BAG_MODES)
     ids, offsets, per_sample_weights, include_last_offset = bags(ids, offsets, per_sample_weights, include_last_offset)
-    ids, padding_idx, max_norm, norm_type = _prepare(store, ids, padding_idx, max_norm, norm_type, sparse)
-    offsets = _check_bag(ids, offsets, include_last_offset)
-    weights = _check_weights(per_sample_weights, ids, mode, store.dtype)
     # torch has no sparse gradient for max bags; fetched rows give each shard a sparse one anyway.
     by_rows = sparse and mode == "max"
-    src = _source(store, ids.reshape(-1), padding_idx, max_norm, norm_type, sparse, by_rows)
-    return F.embedding_bag(
-        src.indices.reshape(ids.shape),
-        src.weight,
-        offsets,
-        src.max_norm,
-        norm_type,
-        scale_grad_by_freq,
-        mode,
-        src.sparse,
-        weights,
-        include_last_offset,
-        src.padding_idx,
+    ids, padding_idx, max_norm, norm_type, deferred = _prepare(
+        store, ids, padding_idx, max_norm, norm_type, sparse, defer=not by_rows
     )
+    checked = _check_bag(ids, offsets, include_last_offset, op_checks_ends=deferred)
+    weights = _check_weights(per_sample_weights, ids, mode, store.dtype)
+    src = _source(store, ids if ids.dim() == 1 else ids.reshape(-1), padding_idx, max_norm, norm_type, sparse, by_rows)
+    indices = src.indices if src.indices.shape == ids.shape else src.indices.reshape(ids.shape)
+    options = (src.max_norm, norm_type, scale_grad_by_freq, mode, src.sparse, weights, include_last_offset)
+    op = functools.partial(F.embedding_bag, indices, src.weight, checked, *options, src.padding_idx)
+    return _refused_ids(op, deferred, store, ids, (offsets, include_last_offset))
+
+
+def _refused_ids(
+    op: Callable[[], torch.Tensor], deferred: bool, store: ShardStore, ids: torch.Tensor, bag: tuple | None = None
+) -> torch.Tensor:
+    """``op()``; if it fails on what was left to it (``deferred``: the ids, a bag's first and last
+    offset), the error shardvar gives for them, in the order it checks them; else the op's own."""
+    try:
+        return op()
+    except (RuntimeError, IndexError) as e:
+        if not deferred:
+            raise
+        error = e
+    check_ids(ids, store.layout.num_rows)  # names the first bad id
+    if bag is not None:
+        _check_bag(ids, *bag)  # (offsets, include_last_offset): names bad ends
+    raise error

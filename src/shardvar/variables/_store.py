@@ -81,6 +81,8 @@ class ShardStore:
         self.layout = layout
         self.shape = torch.Size(layout.check_shape(shape))
         self._shards = dict(sorted(shards.items()))
+        # Plain tensors' data_ptr() says where their data lives (every lookup asks: see refresh).
+        self._plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in self._shards.values())
         self.dtype = _check_shards(self._shards, layout, self.shape) if self._shards else (dtype or torch.float32)
         self.adopt = adopt
         self.exchange: Any = None  # set by the distributed layer: fetches rows owned elsewhere
@@ -145,6 +147,12 @@ class ShardStore:
             for s in members:
                 groups.append(Group(device, (s,), (0,), (1,), self.layout.sizes[s], None))
         self.groups = tuple(groups)
+        # Read on every lookup; they change only here (the shards and layout are fixed at __init__).
+        one = self.groups[0] if len(self.groups) == 1 and self.is_complete else None
+        self._full_slab = one.slab if one is not None else None
+        self._logical_slab = self._full_slab is not None and (
+            self.layout.contiguous or one.steps[0] > 1 or len(self._shards) == 1
+        )
         self._signature = self._current_signature()
         self._routes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.recycler = Recycler()  # per-step buffers of lookups and their gradients
@@ -153,6 +161,11 @@ class ShardStore:
         # Where each shard's data lives: it moves with param.data = ..., module.to(...), set_(...).
         # data_ptr() is one cheap call for plain tensors; subclasses (which may intercept it) and
         # tensors without storage are identified by their storage instead.
+        if self._plain:
+            try:
+                return list(map(torch.Tensor.data_ptr, self._shards.values()))  # no Python frame per shard
+            except RuntimeError:
+                pass  # a shard without storage (a torch.func wrapper): ``where`` names it
         return [where(t) for t in self._shards.values()]
 
     def refresh(self) -> ShardStore:
@@ -183,16 +196,12 @@ class ShardStore:
     @property
     def full_slab(self) -> torch.Tensor | None:
         """The whole table as one ``[rows, width]`` tensor in storage order, when one slab holds it."""
-        if len(self.groups) == 1 and self.is_complete and self.groups[0].slab is not None:
-            return self.groups[0].slab
-        return None
+        return self._full_slab
 
     @property
     def logical_slab(self) -> bool:
         """Whether the full slab's rows are the logical rows (div shards in order, interleaved mod shards)."""
-        return self.full_slab is not None and (
-            self.layout.contiguous or self.groups[0].steps[0] > 1 or len(self._shards) == 1
-        )
+        return self._logical_slab
 
     def slab_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The full slab's row of each valid logical id."""
