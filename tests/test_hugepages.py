@@ -224,11 +224,12 @@ def test_small_lookups_and_max_norm_stay_torch_own() -> None:
 @pytest.mark.parametrize("strategy", ["div", "mod"])
 def test_a_sparse_gradient_split_by_shard_is_coalesced_huge_page_backed_and_unchanged(strategy) -> None:
     torch.manual_seed(0)
-    plain = nn.Embedding(1 << 16, 64, sparse=True)
+    plain = nn.Embedding(1 << 17, 64, sparse=True)
     emb = ShardedEmbedding.from_pretrained(
         plain.weight, freeze=False, sparse=True, partitioner=4, partition_strategy=strategy
     )
-    ids = torch.randint(0, 1 << 16, (1 << 14,))  # ~3.5 MiB of distinct gradient rows
+    # ~7 MiB of distinct gradient rows: whole 2 MiB pages inside wherever the buffer starts
+    ids = torch.randint(0, 1 << 17, (1 << 15,))
     emb(ids).pow(2).sum().backward()
     plain(ids).pow(2).sum().backward()
     grads = [p.grad for p in emb.parameters()]
