@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..variables._distinct import sort_stable
+from ..variables._distinct import segments
 
 __all__ = ["Part", "sparse_bag"]
 
@@ -133,13 +133,10 @@ def _part_rows(
     if mode == "mean":
         share = lengths.clamp(min=1).to(grad.dtype).reciprocal_().repeat_interleave(lengths, output_size=n)
         weight = share if weight is None else share.mul_(weight)
-    ordered, order = sort_stable(rows, bound)
+    unique, order, starts = segments(rows, bound)
     bag = bag.index_select(0, order)  # each sorted id's bag (a gather: several times a binary search's speed)
     weight = None if weight is None else weight.index_select(0, order)
-    del order
-    unique, counts = torch.unique_consecutive(ordered, return_counts=True)
-    starts = counts.cumsum(0).sub_(counts).to(bag.dtype)  # the kernel takes offsets of its ids' dtype
-    return unique, starts, bag, weight
+    return unique, starts.to(bag.dtype), bag, weight  # the kernel takes offsets of its ids' dtype
 
 
 class _SparseBag(torch.autograd.Function):

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from .._recycle import Recycler
 from ._gather import _plain, select_rows
 
-__all__ = ["Distinct", "coalesce", "distinct", "expand", "segment_sum", "sort_stable"]
+__all__ = ["Distinct", "coalesce", "distinct", "expand", "segment_sum", "segments", "sort_stable"]
 
 
 class Distinct(NamedTuple):
@@ -92,9 +92,17 @@ def coalesce(
     """A sparse gradient's rows ``values`` at 1-D ``keys`` in ``[0, bound)``, coalesced: the distinct
     keys ascending (int64), and for each the sum of its rows in input order. One radix sort and a
     segment sum; ``values`` must be floating point and 2-D."""
+    unique, order, starts = segments(keys, bound)
+    return unique.to(torch.int64), segment_sum(values, order, starts, recycle)
+
+
+def segments(keys: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """1-D integer ``keys`` in ``[0, bound)`` grouped by one stable sort: (the distinct keys ascending,
+    narrowed like :func:`sort_stable`'s; the input positions, key by key, each key's in input order;
+    where each key's positions start). A segment sum over them adds each key's rows in input order."""
     sorted_key, order = sort_stable(keys, bound)
     unique, counts = torch.unique_consecutive(sorted_key, return_counts=True)
-    return unique.to(torch.int64), segment_sum(values, order, counts.cumsum(0).sub_(counts), recycle)
+    return unique, order, counts.cumsum(0).sub_(counts)
 
 
 class _Expand(torch.autograd.Function):

@@ -284,16 +284,25 @@ def _check_bag(
         )
     offsets = as_ids(offsets)  # checked where they are (a meta table's ids are meta), then moved
     if offsets.dim() != 1 or offsets.numel() == 0:
-        raise ShardvarValueError(f"offsets must be 1-D, non-empty and start at 0; got {offsets.tolist()[:8]}")
-    # Checked first on every device: not every torch kernel refuses decreasing offsets (CPU max
-    # bags, padded sum bags read them as sorted).
-    if op_checks_ends and not include_last_offset and not bool(torch.lt(offsets[1:], offsets[:-1]).any()):
-        return offsets if offsets.device == ids.device else offsets.to(ids.device)
+        raise _not_from_zero(offsets)
+    # The order is checked first on every device: not every torch kernel refuses decreasing
+    # offsets (CPU max bags, padded sum bags read them as sorted).
+    ordered = not bool(torch.lt(offsets[1:], offsets[:-1]).any())
+    if not (op_checks_ends and ordered and not include_last_offset):
+        _check_ends(ids, offsets, include_last_offset, ordered)
+    return offsets if offsets.device == ids.device else offsets.to(ids.device)
+
+
+def _not_from_zero(offsets: torch.Tensor) -> ShardvarValueError:
+    return ShardvarValueError(f"offsets must be 1-D, non-empty and start at 0; got {offsets.tolist()[:8]}")
+
+
+def _check_ends(ids: torch.Tensor, offsets: torch.Tensor, include_last_offset: bool, ordered: bool) -> None:
     ends = offsets[:: max(offsets.numel() - 1, 1)].tolist()  # the first and last offset, read at once
     first, last = ends[0], ends[-1]
     if first != 0:
-        raise ShardvarValueError(f"offsets must be 1-D, non-empty and start at 0; got {offsets.tolist()[:8]}")
-    if last > ids.numel() or bool(torch.lt(offsets[1:], offsets[:-1]).any()):
+        raise _not_from_zero(offsets)
+    if last > ids.numel() or not ordered:
         raise ShardvarValueError(
             f"offsets must be non-decreasing and at most len(input)={ids.numel()}; got {offsets.tolist()[:8]}"
         )
@@ -301,7 +310,6 @@ def _check_bag(
         raise ShardvarValueError(
             f"with include_last_offset=True the last offset must equal len(input)={ids.numel()}; got {last}"
         )
-    return offsets if offsets.device == ids.device else offsets.to(ids.device)
 
 
 def _check_weights(per_sample_weights: Any, ids: torch.Tensor, mode: str, dtype: torch.dtype) -> torch.Tensor | None:

@@ -13,6 +13,7 @@ and values, only their memory moves (``Tensor.set_``), so the fast path is the o
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -153,6 +154,13 @@ class ShardStore:
         self._logical_slab = self._full_slab is not None and (
             self.layout.contiguous or one.steps[0] > 1 or len(self._shards) == 1
         )
+        # Each group's members' first positions laid back to back in member order (where a sparse
+        # gradient's member-major rows of each member start): their starts, or for interleaved
+        # members the running sum of their sizes.
+        self._firsts = tuple(
+            g.starts if g.steps[0] == 1 else (0, *itertools.accumulate(self.layout.sizes[s] for s in g.members[:-1]))
+            for g in self.groups
+        )
         self._signature = self._current_signature()
         self._routes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.recycler = Recycler()  # per-step buffers of lookups and their gradients
@@ -274,32 +282,26 @@ class ShardStore:
         interleaved = group.steps[0] > 1  # row r is member r % n's row r // n
         if values.is_floating_point() and rows.numel() and (interleaved or not coalesced):
             # Keyed member by member (each member's rows back to back), so each member is one run.
-            key = self._member_major(group, rows) if interleaved else rows
+            key = self._member_major(g, rows) if interleaved else rows
             rows, values = coalesce(key, values, group.rows, (self.recycler, ("sparse grad", g)))
             coalesced = True
         if len(group.members) == 1:
             s = group.members[0]
             return {s: _sparse(rows, values, self.layout.sizes[s], coalesced)}
         if coalesced:
-            return self._cut_runs(group, rows, values)
+            return self._cut_runs(g, rows, values)
         return self._split_unsorted(group, rows, values)
 
-    def _member_major(self, group: Group, rows: torch.Tensor) -> torch.Tensor:
+    def _member_major(self, g: int, rows: torch.Tensor) -> torch.Tensor:
         """Interleaved group rows as positions in the members laid back to back, in member order."""
-        n = group.steps[0]
-        firsts = torch.tensor(self._firsts(group), dtype=torch.int64, device=rows.device)
+        n = self.groups[g].steps[0]
+        firsts = torch.tensor(self._firsts[g], dtype=torch.int64, device=rows.device)
         return firsts.index_select(0, rows.remainder(n)).add_(rows.div(n, rounding_mode="floor"))
 
-    def _firsts(self, group: Group) -> list[int]:
-        """Each member's first position with the members back to back in member order."""
-        if group.steps[0] == 1:
-            return list(group.starts)
-        sizes = [self.layout.sizes[s] for s in group.members]
-        return [sum(sizes[:i]) for i in range(len(sizes))]
-
-    def _cut_runs(self, group: Group, keys: torch.Tensor, values: torch.Tensor) -> dict[int, torch.Tensor]:
+    def _cut_runs(self, g: int, keys: torch.Tensor, values: torch.Tensor) -> dict[int, torch.Tensor]:
         """Coalesced gradients per member from distinct ascending member-major ``keys``: views."""
-        firsts = torch.tensor(self._firsts(group), dtype=keys.dtype, device=keys.device)
+        group = self.groups[g]
+        firsts = torch.tensor(self._firsts[g], dtype=keys.dtype, device=keys.device)
         cuts = torch.searchsorted(keys, firsts)
         counts = torch.diff(cuts, append=cuts.new_tensor([keys.numel()]))
         local = keys - firsts.repeat_interleave(counts, output_size=keys.numel())
