@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from shardvar import ShardedVariable
 from shardvar._recycle import Recycler
-from shardvar.variables._distinct import coalesce
+from shardvar.variables._distinct import _scattered_sum, coalesce, segments
 
 warnings.filterwarnings("ignore", "Sparse invariant checks")
 
@@ -30,6 +30,19 @@ def test_coalesce_equals_torch_coalesce(ids: list[int], dtype: torch.dtype, recy
     assert rows.dtype == torch.int64 and torch.equal(rows, want.indices()[0])
     tol = {"rtol": 0, "atol": 0} if dtype != torch.bfloat16 else {"rtol": 2e-2, "atol": 2e-2}
     torch.testing.assert_close(summed, want.values(), **tol)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 60), max_size=200), st.sampled_from([torch.float32, torch.float64]))
+def test_the_gpu_segment_sum_equals_torch_coalesce(ids: list[int], dtype: torch.dtype) -> None:
+    # The segment sum a GPU takes (index_add; embedding_bag's per-bag walk is slow on hot ids
+    # there), checked here on the CPU, where the same ops run.
+    keys = torch.tensor(ids, dtype=torch.int64)
+    values = torch.randn(len(ids), 3, dtype=dtype)
+    unique, order, starts = segments(keys, 61)
+    want = torch.sparse_coo_tensor(keys[None], values, (61, 3), check_invariants=True).coalesce()
+    assert torch.equal(unique.long(), want.indices()[0])
+    torch.testing.assert_close(_scattered_sum(values, order, starts), want.values())
 
 
 def _shards(how: str, strategy: str, sizes: list[int], width: int, dtype: torch.dtype) -> list[torch.Tensor]:

@@ -22,6 +22,7 @@ from ..nn import TableConfig
 from ..nn._collection import pack
 from ..nn._jagged import jagged_split
 from ..variables import RowInitializer, ShardedVariable
+from ..variables._distinct import sparse_rows
 from ..variables._functional import slab_weight
 from ._comm import Comm
 
@@ -54,7 +55,7 @@ class _SummedGrad(torch.autograd.Function):
         comm.all_reduce(packed, dist.ReduceOp.SUM, "replicated tables' gradient")
         touched = packed[:, width].nonzero().squeeze(1)
         values = packed.index_select(0, touched)[:, :width]
-        return torch.sparse_coo_tensor(touched.unsqueeze(0), values, (rows, width), check_invariants=False), None
+        return sparse_rows(touched, values, rows), None
 
 
 class _Table(nn.Module):

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..variables._distinct import segments
+from ..variables._distinct import segments, sparse_rows
 
 __all__ = ["Part", "sparse_bag"]
 
@@ -89,9 +89,7 @@ def row_gradient(
         return None
     unique = torch.cat([u for u, _ in found]) if len(found) != 1 else found[0][0]
     summed = torch.cat([v for _, v in found]) if len(found) != 1 else found[0][1]
-    return torch.sparse_coo_tensor(
-        unique.to(torch.int64)[None], summed, shape, is_coalesced=True, check_invariants=False
-    )
+    return sparse_rows(unique, summed, shape[0], coalesced=True)
 
 
 def _to_sink(

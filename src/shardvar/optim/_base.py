@@ -26,12 +26,18 @@ __all__ = ["TableOptimizer", "Update"]
 Update = Callable[[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, int, dict[str, Any], bool], None]
 
 
-def _sparse_rows(table: Table, s: int, x: torch.Tensor, first: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slab rows and gradient rows of shard ``s``'s sparse gradient ``x`` (duplicates kept), range-checked."""
-    local = x._indices()[0]
-    if local.numel() and (int(local.min()) < 0 or int(local.max()) >= table.store.layout.sizes[s]):
-        raise ShardvarIndexError(f"table {table.name!r}: shard {s} has a sparse gradient for rows outside it")
-    return first + step * local, x._values().reshape(local.numel(), table.store.width)
+def _check_rows(table: Table, shards: list[int], rows: list[torch.Tensor]) -> None:
+    """Every shard's gradient rows lie inside it: one read of all their bounds (on a GPU, one wait)."""
+    found = [(s, r) for s, r in zip(shards, rows, strict=True) if r.numel()]
+    if not found:
+        return
+    bounds = torch.stack([torch.stack(r.aminmax()) for _, r in found]).tolist()
+    for (s, _), (low, high) in zip(found, bounds, strict=True):
+        if low < 0 or high >= table.store.layout.sizes[s]:
+            raise ShardvarIndexError(
+                f"table {table.name!r}: shard {s} has a sparse gradient for rows {low}..{high}, "
+                f"outside its {table.store.layout.sizes[s]} rows"
+            )
 
 
 def _summed(rows: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,10 +57,12 @@ def sparse_group_grad(
     nothing to sum then.
     """
     group = table.store.groups[g]
+    given = [(k, x) for k, x in sorted(grads.items()) if x is not None]
+    local = [x._indices()[0] for _, x in given]
+    _check_rows(table, [group.members[k] for k, _ in given], local)
     found = [
-        _sparse_rows(table, group.members[k], x, group.starts[k], group.steps[k])
-        for k, x in sorted(grads.items())
-        if x is not None
+        (group.starts[k] + group.steps[k] * r, x._values().reshape(r.numel(), table.store.width))
+        for (k, x), r in zip(given, local, strict=True)
     ]
     rows, values = torch.cat([r for r, _ in found]), torch.cat([v for _, v in found])
     return (rows, values) if not summed else _summed(rows, values)

@@ -21,6 +21,7 @@ from ..nn import EmbeddingBagCollection, KeyedJagged
 from ..nn._collection import lookup_tables
 from ..variables import ShardStore
 from ..variables._packed import RowFormat
+from ..variables._values import ids_device
 from . import _lookup
 
 __all__ = ["PackedVariable", "QuantizedEmbedding", "QuantizedEmbeddingBag", "QuantizedEmbeddingBagCollection"]
@@ -95,7 +96,7 @@ class _QuantizedTable(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """The whole table as float32 ``[num_embeddings, embedding_dim]`` (every rank's rows: collective)."""
-        return self.lookup(torch.arange(self.num_embeddings))
+        return self.lookup(torch.arange(self.num_embeddings, device=ids_device(self.store)))
 
     def lookup(self, ids: Any) -> torch.Tensor:
         """Rows ``ids`` (any shape) dequantized to float32."""

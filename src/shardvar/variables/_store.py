@@ -26,7 +26,7 @@ from .._pages import empty, zeros_like
 from .._recycle import Recycler
 from .._validate import check_devices
 from ..layout import Layout
-from ._distinct import coalesce
+from ._distinct import coalesce, sparse_rows
 from ._memory import adopt, as_slab, check_disjoint, where
 
 __all__ = ["Group", "ShardStore", "rows_2d"]
@@ -287,7 +287,7 @@ class ShardStore:
             coalesced = True
         if len(group.members) == 1:
             s = group.members[0]
-            return {s: _sparse(rows, values, self.layout.sizes[s], coalesced)}
+            return {s: sparse_rows(rows, values, self.layout.sizes[s], coalesced)}
         if coalesced:
             return self._cut_runs(g, rows, values)
         return self._split_unsorted(group, rows, values)
@@ -307,7 +307,7 @@ class ShardStore:
         local = keys - firsts.repeat_interleave(counts, output_size=keys.numel())
         sizes = counts.tolist()
         return {
-            s: _sparse(rows_s, values_s, self.layout.sizes[s], True)
+            s: sparse_rows(rows_s, values_s, self.layout.sizes[s], True)
             for s, rows_s, values_s in zip(group.members, local.split(sizes), values.split(sizes), strict=True)
         }
 
@@ -326,7 +326,7 @@ class ShardStore:
         counts = torch.bincount(member, minlength=len(group.members)).tolist()
         local, values = local.index_select(0, order), values.index_select(0, order)
         return {
-            s: _sparse(rows_s, values_s, self.layout.sizes[s])
+            s: sparse_rows(rows_s, values_s, self.layout.sizes[s])
             for s, rows_s, values_s in zip(group.members, local.split(counts), values.split(counts), strict=True)
         }
 
@@ -335,7 +335,9 @@ class ShardStore:
         shards = {s: t for s, t in self._shards.items() if s not in skip}
         if sparse:
             return {
-                s: _sparse(torch.empty(0, dtype=torch.int64, device=t.device), t.new_empty(0, self.width), t.shape[0])
+                s: sparse_rows(
+                    torch.empty(0, dtype=torch.int64, device=t.device), t.new_empty(0, self.width), t.shape[0]
+                )
                 for s, t in shards.items()
             }
         return {s: zeros_like(t) for s, t in shards.items()}
@@ -383,8 +385,3 @@ def _empty_shards(
     rows = [layout.sizes[s] for s in members]
     slab = empty((sum(rows), *shape[1:]), dtype=dtype, device=device)
     return list(slab.split(rows)) if members else []
-
-
-def _sparse(rows: torch.Tensor, values: torch.Tensor, num_rows: int, coalesced: bool = False) -> torch.Tensor:
-    shape = (num_rows, values.shape[1])
-    return torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, is_coalesced=coalesced, check_invariants=False)

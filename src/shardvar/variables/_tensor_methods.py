@@ -16,6 +16,7 @@ import torch
 from .._errors import ShardvarTypeError, ShardvarValueError
 from .._pages import zeros_like
 from .._validate import check_device, check_has_values
+from ._distinct import sparse_rows
 from ._torch_function import inplace, torch_function
 from ._update import check_writable
 from ._values import check_local
@@ -179,7 +180,7 @@ class TensorMethods:
                     g = g.to_sparse() if not g.is_sparse else g.coalesce()
                     index.append(store.layout.global_ids(torch.full_like(g.indices()[0], s), g.indices()[0]))
                     values.append(g.values())
-            return torch.sparse_coo_tensor(torch.cat(index).unsqueeze(0), torch.cat(values), tuple(store.shape))
+            return sparse_rows(torch.cat(index), torch.cat(values), store.shape[0])
         parts = [g if g is not None else zeros_like(store.local_shards()[s]) for s, g in grads.items()]
         return store.layout.join(parts)
 
