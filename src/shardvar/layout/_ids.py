@@ -58,7 +58,9 @@ def check_ids(ids: torch.Tensor, num_rows: int) -> None:
     if ids.numel() == 0:
         return
     low, high = torch.aminmax(ids)  # one pass, no temporaries: this runs on every lookup
-    if int(low) < 0 or int(high) >= num_rows:
+    # Read at once: on a GPU each read waits for the device.
+    low, high = (int(low), int(high)) if ids.device.type == "cpu" else torch.stack((low, high)).tolist()
+    if low < 0 or high >= num_rows:
         bad = (ids < 0) | (ids >= num_rows)
         flat = int(torch.nonzero(bad.reshape(-1))[0])
         value = int(ids.reshape(-1)[flat])
