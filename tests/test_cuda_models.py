@@ -253,3 +253,33 @@ def test_a_one_rank_nccl_group_trains_a_distributed_collection(tmp_path) -> None
             torch.testing.assert_close(trained.state_dict()[k], v)
     finally:
         dist.destroy_process_group()
+
+
+def bad_calls() -> dict[str, Callable[[], object]]:
+    """Each call reads an id outside its table, or bags past the ids: CUDA's kernels check neither."""
+    torch.manual_seed(0)
+    v = shardvar.shard_tensor(torch.randn(100, 4, device="cuda"), shardvar.Layout.balanced("mod", 100, 4))
+    bag = shardvar.ShardedEmbeddingBag(100, 4, 4, "div", mode="sum", sparse=True).cuda()
+    ebc = EmbeddingBagCollection(tables("grouped"), sparse=True).cuda()
+    ec = EmbeddingCollection(tables("apart")).cuda()
+    batch = features("cuda", 0)
+    values = batch.values.clone()
+    values[-1] = 50  # the last feature is "page", of 50 rows
+    bad = KeyedJagged(batch.keys, values, batch.lengths)
+    ids = torch.tensor([1, 2, 3, 4], device="cuda")
+    return {
+        "lookup": lambda: shardvar.embedding_lookup(v, torch.tensor([[0, 100]], device="cuda")),
+        "negative": lambda: shardvar.embedding_lookup(v, torch.tensor([-1], device="cuda")),
+        "bag ids": lambda: bag(torch.tensor([[5, 100]], device="cuda")),
+        "bag offsets": lambda: bag(ids, torch.tensor([0, 2, 9], device="cuda")),
+        "collection": lambda: ebc(bad),
+        "sequence collection": lambda: ec(bad),
+    }
+
+
+@pytest.mark.parametrize("case", ["lookup", "negative", "bag ids", "bag offsets", "collection", "sequence collection"])
+def test_bad_ids_on_the_gpu_raise_shardvar_errors_not_device_asserts(case) -> None:
+    call = bad_calls()[case]
+    with pytest.raises((shardvar.ShardvarIndexError, shardvar.ShardvarValueError)):
+        call()
+    torch.cuda.synchronize()  # a device-side assert would surface here and poison the process
