@@ -115,7 +115,7 @@ class KeyedJagged:
 
 @dataclass(frozen=True)
 class JaggedRows:
-    """One feature's looked-up rows, bag by bag: ``values`` ``[ids, dim]`` and ``lengths`` ``[bags]``.
+    """One feature's looked-up rows, bag by bag: ``values`` ``[ids, dim]`` and ``lengths`` ``[bags]`` (int64).
 
     >>> rows = JaggedRows(torch.arange(6.0).reshape(3, 2), torch.tensor([2, 0, 1]))
     >>> rows.to_padded().shape, rows.offsets().tolist()
@@ -141,6 +141,7 @@ class JaggedRows:
 
 def jagged_split(values: torch.Tensor, offsets: torch.Tensor, counts: list[int], features: list[str]) -> dict:
     """Rows looked up for packed features (bags per feature ``counts``) as each feature's JaggedRows."""
+    offsets = offsets.to(torch.int64)  # int64 lengths whatever index dtype the kernel read
     lengths = torch.diff(offsets, append=offsets.new_tensor([values.shape[0]]))
     per_feature = lengths.split(counts)
     sizes = [int(x.sum()) for x in per_feature]
