@@ -126,3 +126,24 @@ def test_a_table_with_include_last_offset_takes_2d_ids_and_keyed_jagged_as_torch
     torch.testing.assert_close(module(jagged)["0"], want, atol=1e-6, rtol=0)
     given = module({"0": torch.tensor([1, 2, 3])}, {"0": torch.tensor([0, 2, 2, 3])})  # offsets as the table reads
     torch.testing.assert_close(next(iter(given.values())), want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("container", [EmbeddingBagDict, EmbeddingBagList])
+def test_no_table_is_renormalised_when_another_features_input_is_refused(container) -> None:
+    torch.manual_seed(0)
+    bags = [ShardedEmbeddingBag(10, 4, max_norm=0.1, mode="sum") for _ in range(2)] + [ShardedEmbeddingBag(10, 4)]
+    module = container(dict(zip("012", bags, strict=True)) if container is EmbeddingBagDict else bags)
+    before = [b.weight.to_tensor().clone() for b in bags]
+    ok = torch.tensor([[1, 2]])
+    refused = [  # each with the max_norm tables' own ids valid: they would renormalise rows 1 and 2 first
+        ({"0": ok, "1": ok, "2": torch.tensor([[1, 10]])}, None, IndexError),
+        ({"0": ok, "1": torch.tensor([[1, 10]])}, None, IndexError),
+        ({"0": ok, "1": ok}, {"1": torch.ones(2, 1)}, ValueError),
+    ]
+    for features, weights, error in refused:
+        if container is EmbeddingBagList:
+            features = {int(k): v for k, v in features.items()}
+            weights = None if weights is None else {int(k): v for k, v in weights.items()}
+        with pytest.raises(error):
+            module(features, per_sample_weights=weights)
+        assert all(torch.equal(b.weight.to_tensor(), w) for b, w in zip(bags, before, strict=True))

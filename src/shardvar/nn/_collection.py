@@ -12,7 +12,6 @@ looked up table by table.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,75 +21,18 @@ from torch import nn
 from .._errors import ShardvarError, ShardvarTypeError, ShardvarValueError
 from .._pages import empty
 from .._recycle import Recycler
-from .._validate import check_choice, check_int
 from ..layout import Layout, as_ids, check_ids
 from ..variables import ShardedVariable
 from ..variables._functional import _check_bag, _check_weights, slab_weight
 from ..variables._memory import as_slab
 from ._bag_grad import Part, sparse_bag
-from ._collection_build import build_tables
+from ._collection_build import TableConfig, build_tables, check_tables, feature_map
 from ._embedding import ShardedEmbedding, ShardedEmbeddingBag
-from ._jagged import KeyedJagged, check_names, jagged_split
+from ._jagged import KeyedJagged, jagged_split
 
 __all__ = ["EmbeddingBagCollection", "TableConfig", "KeyedJagged"]
 
 Table = ShardedEmbedding | ShardedEmbeddingBag  # a pooled collection's tables are bags, a sequence one's not
-
-
-@dataclass(frozen=True)
-class TableConfig:
-    """One table of a collection: rows, width, how it is split (a count, partitioner or Layout), pooling,
-    and the features it serves (``feature_names``; None: the one feature named as the table).
-
-    >>> TableConfig(100, 8, feature_names=["query_user", "candidate_user"]).feature_names
-    ('query_user', 'candidate_user')
-    """
-
-    num_embeddings: int
-    embedding_dim: int
-    partitioner: Any = 1
-    partition_strategy: str = "div"
-    mode: str = "sum"
-    feature_names: tuple[str, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if self.feature_names is not None:
-            names = check_names(self.feature_names, "feature_names")
-            if not names:
-                raise ShardvarValueError("feature_names is empty; a table serves at least one feature (None: its name)")
-            object.__setattr__(self, "feature_names", names)  # frozen: set once, as a tuple
-
-
-def check_tables(tables: Any, sparse: bool, pooled: bool) -> None:
-    """A non-empty dict of TableConfigs whose options a collection (pooled or not) can honour."""
-    if not isinstance(tables, dict) or not tables:
-        raise ShardvarTypeError(f"tables must be a non-empty dict of name -> TableConfig; got {tables!r:.80}")
-    for name, cfg in tables.items():
-        if not isinstance(cfg, TableConfig):
-            raise ShardvarTypeError(f"table {name!r} must be a TableConfig; got {type(cfg).__name__}")
-        check_choice(
-            cfg.mode,
-            "mode" if pooled else "mode (an EmbeddingCollection does not pool)",
-            ("sum", "mean", "max") if pooled else ("sum",),
-        )
-        if cfg.mode == "max" and sparse:
-            raise ShardvarValueError(
-                f"table {name!r}: mode 'max' has no sparse gradient (torch's rule); use sum or mean"
-            )
-        check_int(cfg.embedding_dim, "embedding_dim", minimum=1)
-
-
-def feature_map(tables: Mapping[str, TableConfig]) -> dict[str, str]:
-    """Each feature -> the table that serves it; a feature served by two tables is refused."""
-    out: dict[str, str] = {}
-    for name, cfg in tables.items():
-        for feature in cfg.feature_names or (name,):
-            if feature in out:
-                raise ShardvarValueError(
-                    f"feature {feature!r} is served by tables {out[feature]!r} and {name!r}; a feature has one table"
-                )
-            out[feature] = name
-    return out
 
 
 def feature_bags(
@@ -219,11 +161,28 @@ def lookup_tables(
     last = [f for f, t in table_of.items() if getattr(bags[t], "include_last_offset", False)]
     features, offsets, weights = split_inputs(features, offsets, per_sample_weights, modes, last)
     out: dict[str, torch.Tensor] = {}
-    for names, variable in groups:
+    for names, variable in _reading_first(bags, groups, table_of, (features, offsets, weights)):
         present = [f for f in features if table_of[f] in names]
         if present:
             out.update(_lookup_group(bags, present, table_of, names, variable, (features, offsets, weights)))
     return {f: out[f] for f in features}
+
+
+def _reading_first(
+    tables: Mapping[str, Table], groups: list, table_of: Mapping[str, str], inputs: tuple[dict, dict, dict]
+) -> list:
+    """The groups, those whose lookup writes its table (``max_norm`` renormalises rows) last, their features
+    checked before any group runs: a refused input leaves every table as it was."""
+    writing = [
+        i for i, (n, v) in enumerate(groups) if v is None and getattr(tables[n[0]], "max_norm", None) is not None
+    ]
+    if not writing:
+        return groups
+    for f in inputs[0]:
+        t = table_of[f]
+        if any(t in groups[i][0] for i in writing):
+            feature_bags(f, inputs, tables[t].layout.num_rows, tables[t].store.dtype)
+    return [g for i, g in enumerate(groups) if i not in writing] + [groups[i] for i in writing]
 
 
 def pooling(table: Table) -> str | None:
