@@ -147,3 +147,28 @@ def test_no_table_is_renormalised_when_another_features_input_is_refused(contain
         with pytest.raises(error):
             module(features, per_sample_weights=weights)
         assert all(torch.equal(b.weight.to_tensor(), w) for b, w in zip(bags, before, strict=True))
+
+
+@pytest.mark.parametrize("kind", [EmbeddingBagCollection, EmbeddingCollection])
+@pytest.mark.parametrize(
+    ("name", "error", "match"),
+    [(1, TypeError, r"got 1 \(int\)"), ("a.b", ValueError, "got 'a.b'"), ("", ValueError, "got ''")],
+)
+def test_table_names_that_are_not_module_names_are_refused_by_shardvar(kind, name, error, match) -> None:
+    with pytest.raises(error, match=f"table names must be non-empty strings without '.'.*{match}") as caught:
+        kind({"ok": TableConfig(5, 2), name: TableConfig(5, 2)})
+    assert isinstance(caught.value, shardvar.ShardvarError)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, "float32"])
+def test_a_table_dtype_that_cannot_be_trained_is_refused_before_anything_is_allocated(dtype) -> None:
+    makers = [
+        lambda: EmbeddingBagCollection({"a": TableConfig(5, 2)}, dtype=dtype),
+        lambda: EmbeddingCollection({"a": TableConfig(5, 2)}, dtype=dtype),
+        lambda: ShardedEmbeddingBag(5, 2, 2, dtype=dtype),
+        lambda: shardvar.ShardedEmbedding(5, 2, dtype=dtype),
+    ]
+    for make in makers:
+        with pytest.raises(TypeError, match=f"dtype must be a floating torch.dtype; got {dtype!r}") as caught:
+            make()
+        assert isinstance(caught.value, shardvar.ShardvarError)

@@ -21,7 +21,7 @@ from torch import nn
 
 from .._errors import ShardvarTypeError, ShardvarValueError
 from .._pages import empty
-from .._validate import check_choice, check_int
+from .._validate import check_choice, check_float_dtype, check_int
 from ..layout import Layout
 from ..variables import ShardStore, to_layout
 from ._jagged import check_names
@@ -58,6 +58,10 @@ def check_tables(tables: Any, sparse: bool, pooled: bool) -> None:
     if not isinstance(tables, dict) or not tables:
         raise ShardvarTypeError(f"tables must be a non-empty dict of name -> TableConfig; got {tables!r:.80}")
     for name, cfg in tables.items():
+        if not isinstance(name, str) or not name or "." in name:  # each is a module's name (the state dict's keys)
+            got = f"{name!r:.60} ({type(name).__name__})"
+            error = ShardvarTypeError if not isinstance(name, str) else ShardvarValueError
+            raise error(f"table names must be non-empty strings without '.' (module names); got {got}")
         if not isinstance(cfg, TableConfig):
             raise ShardvarTypeError(f"table {name!r} must be a TableConfig; got {type(cfg).__name__}")
         check_choice(
@@ -123,7 +127,7 @@ def build_tables(
     A table whose layout is not split by rows gets ``store=None``: ``make`` builds (and checks) it
     its own way.
     """
-    dtype = dtype or torch.get_default_dtype()
+    dtype = check_float_dtype(dtype) or torch.get_default_dtype()
     layouts = {
         name: to_layout(c.partitioner, (c.num_embeddings, c.embedding_dim), dtype, c.partition_strategy)
         for name, c in tables.items()
