@@ -172,3 +172,19 @@ def test_a_table_dtype_that_cannot_be_trained_is_refused_before_anything_is_allo
         with pytest.raises(TypeError, match=f"dtype must be a floating torch.dtype; got {dtype!r}") as caught:
             make()
         assert isinstance(caught.value, shardvar.ShardvarError)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda m, x: m([x, None]), ValueError, r"features\[1\] is None; give ids for every table"),
+        (lambda m, x: m({0: x, "0": x + 1}), ValueError, "features 0 and '0' name the same table"),
+        (lambda m, x: m([x, x], per_sample_weights={1: None, "1": x.float()}), ValueError, "1 and '1' name the same"),
+        (lambda m, x: m([x.reshape(-1), x], [torch.tensor([0])]), ValueError, "offsets has 1 entries for 2 tables"),
+    ],
+)
+def test_a_list_of_tables_refuses_inputs_it_would_drop_or_misplace(call, error, match) -> None:
+    module = EmbeddingBagList([ShardedEmbeddingBag(10, 4, mode="sum"), ShardedEmbeddingBag(10, 4, 2, mode="sum")])
+    with pytest.raises(error, match=match) as caught:
+        call(module, torch.tensor([[1, 2]]))
+    assert isinstance(caught.value, shardvar.ShardvarError)
