@@ -49,15 +49,19 @@ class FusedHandle:
         self.optimizer._fused = None
 
     def attach(self, tables: list[Table], group: dict[str, Any]) -> None:
-        """Update ``tables`` (of param group ``group``) inside backward from now on."""
+        """Update ``tables`` (of param group ``group``) inside backward from now on; a frozen table (no shard
+        requires grad) is left alone, as ``step()`` leaves a parameter without a gradient."""
         for t in tables:
+            shards = t.store.local_shards()
+            if not any(p.requires_grad for p in shards.values()):
+                continue
             if t.store.full_slab is not None and len(t.store.groups) == 1:  # a collection updates it in backward
                 t.store.sink = self._sink(t, group)
-            shards = t.store.local_shards()
             for g, store_group in enumerate(t.store.groups):
                 for k, s in enumerate(store_group.members):
-                    hook = self._hook(t, group, g, k)
-                    self._hooks.append(shards[s].register_post_accumulate_grad_hook(hook))
+                    if shards[s].requires_grad:
+                        hook = self._hook(t, group, g, k)
+                        self._hooks.append(shards[s].register_post_accumulate_grad_hook(hook))
 
     def _finish(self) -> None:
         sparse, self._sparse = self._sparse, {}
