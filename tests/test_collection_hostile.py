@@ -92,6 +92,13 @@ def test_a_lone_bag_takes_an_empty_batch_as_torch_and_refuses_ids_without_bags()
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
+def test_nested_ids_are_refused_on_every_path(placement) -> None:
+    nested = torch.nested.nested_tensor([torch.tensor([1, 2]), torch.tensor([3])], layout=torch.jagged)
+    with pytest.raises(TypeError, match="feature 'a': ids must be a plain tensor here; got a nested tensor"):
+        collection(placement)({"a": nested})
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
 def test_offsets_of_a_float_dtype_are_named_as_offsets(placement) -> None:
     ebc = collection(placement)
     with pytest.raises(TypeError, match=r"feature 'a': offsets must be an integer tensor; got dtype torch\.float32"):

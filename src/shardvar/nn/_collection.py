@@ -279,6 +279,7 @@ def _lookup_table(
     if len(mine) == 1 and pooled:  # as given: 2-D ids, offsets as the table reads them (include_last_offset)
         f = mine[0]
         try:
+            as_ids(features[f])  # the collection's ids (a table alone also takes nested ones)
             return {f: table(features[f], offsets.get(f), per_sample_weights=weights.get(f))}
         except ShardvarError as e:  # checked by the table's forward before its lookup, by the same rules
             raise type(e)(f"feature {f!r}: {e}") from None
