@@ -158,7 +158,7 @@ def lookup_tables(
     kernel per group of :func:`batch_tables`; everything checked first."""
     table_of = table_of if table_of is not None else {n: n for n in bags}
     modes = {f: pooling(bags[t]) for f, t in table_of.items()}
-    last = [f for f, t in table_of.items() if getattr(bags[t], "include_last_offset", False)]
+    last = () if not isinstance(features, KeyedJagged) else [f for f, t in table_of.items() if _reads_end(bags[t])]
     features, offsets, weights = split_inputs(features, offsets, per_sample_weights, modes, last)
     out: dict[str, torch.Tensor] = {}
     for names, variable in _reading_first(bags, groups, table_of, (features, offsets, weights)):
@@ -166,6 +166,11 @@ def lookup_tables(
         if present:
             out.update(_lookup_group(bags, present, table_of, names, variable, (features, offsets, weights)))
     return {f: out[f] for f in features}
+
+
+def _reads_end(table: Table) -> bool:
+    """Whether the table reads its bags' offsets with the ids' end last (``include_last_offset``)."""
+    return getattr(table, "include_last_offset", False)
 
 
 def _reading_first(
