@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import shardvar
@@ -195,3 +197,75 @@ def test_a_list_of_tables_refuses_inputs_it_would_drop_or_misplace(call, error, 
     with pytest.raises(error, match=match) as caught:
         call(module, torch.tensor([[1, 2]]))
     assert isinstance(caught.value, shardvar.ShardvarError)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    placement=st.sampled_from(PLACEMENTS),
+    sparse=st.booleans(),
+    batch=st.integers(0, 4),
+    keys=st.permutations(["a", "b1", "b2"]).flatmap(lambda p: st.integers(0, 3).map(lambda n: p[:n])),
+    weighted=st.sets(st.sampled_from(["a", "b1", "b2"])),
+    seed=st.integers(0, 10_000),
+)
+def test_any_keyed_jagged_batch_pools_and_trains_as_separate_embedding_bags(
+    placement, sparse, batch, keys, weighted, seed
+) -> None:
+    ebc = collection(placement, sparse=sparse)
+    tables = {t: b.weight.to_tensor().detach() for t, b in ebc.embedding_bags.items()}
+    plain = {f: nn.EmbeddingBag.from_pretrained(tables[ebc.feature_tables[f]], freeze=False, mode="sum") for f in keys}
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 4, (len(keys), batch), generator=g)
+    rows = {"a": 10, "b1": 7, "b2": 7}
+    values = [torch.randint(0, rows[k], (int(n),), generator=g) for k, n in zip(keys, lengths.sum(1), strict=True)]
+    values = torch.cat(values) if values else torch.empty(0, dtype=torch.long)
+    weights = torch.rand(values.numel(), generator=g) if weighted & set(keys) else None
+    jagged = KeyedJagged(tuple(keys), values, lengths, weights)
+    out = ebc(jagged)
+    ids, offsets, psw = jagged.split()
+    assert list(out) == list(keys)
+    for i, k in enumerate(keys):
+        want = plain[k](ids[k], offsets[k], per_sample_weights=psw.get(k))
+        torch.testing.assert_close(out[k], want, atol=1e-6, rtol=0)
+        (want * (i + 1)).sum().backward()
+    if out:
+        sum((v * (i + 1)).sum() for i, v in enumerate(out.values())).backward()
+    for t, bag in ebc.embedding_bags.items():
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad.to_dense() for p in bag.shards]
+        got = shardvar.ShardedVariable(grads, strategy=bag.layout.strategy).to_tensor()
+        want = sum((plain[f].weight.grad for f in keys if ebc.feature_tables[f] == t), torch.zeros_like(got))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    placement=st.sampled_from(PLACEMENTS),
+    sparse=st.booleans(),
+    batch=st.integers(0, 4),
+    keys=st.permutations(["a", "b1", "b2"]).flatmap(lambda p: st.integers(0, 3).map(lambda n: p[:n])),
+    seed=st.integers(0, 10_000),
+)
+def test_any_keyed_jagged_batch_gives_each_ids_row_as_separate_embeddings(placement, sparse, batch, keys, seed) -> None:
+    ec = collection(placement, EmbeddingCollection, sparse=sparse)
+    tables = {t: e.weight.to_tensor().detach() for t, e in ec.embeddings.items()}
+    plain = {f: nn.Embedding.from_pretrained(tables[ec.feature_tables[f]], freeze=False) for f in keys}
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 4, (len(keys), batch), generator=g)
+    rows = {"a": 10, "b1": 7, "b2": 7}
+    values = [torch.randint(0, rows[k], (int(n),), generator=g) for k, n in zip(keys, lengths.sum(1), strict=True)]
+    jagged = KeyedJagged(tuple(keys), torch.cat(values) if values else torch.empty(0, dtype=torch.long), lengths)
+    out = ec(jagged)
+    ids, _, _ = jagged.split()
+    assert list(out) == list(keys)
+    for i, k in enumerate(keys):
+        assert torch.equal(out[k].lengths, lengths[i]) and out[k].lengths.dtype == torch.int64
+        want = plain[k](ids[k])
+        torch.testing.assert_close(out[k].values, want, atol=0, rtol=0)
+        (want * (i + 1)).pow(2).sum().backward()
+    if out:
+        sum((v.values * (i + 1)).pow(2).sum() for i, v in enumerate(out.values())).backward()
+    for t, emb in ec.embeddings.items():
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad.to_dense() for p in emb.shards]
+        got = shardvar.ShardedVariable(grads, strategy=emb.layout.strategy).to_tensor()
+        want = sum((plain[f].weight.grad for f in keys if ec.feature_tables[f] == t), torch.zeros_like(got))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
