@@ -114,6 +114,13 @@ def bad_jagged() -> dict[str, tuple[dict, type, str]]:
         "lengths not adding up": case(
             ValueError, "lengths add up to 6 ids; values holds 5", lengths=torch.tensor([[2, 2], [0, 2]])
         ),
+        "lengths wrapping past int64": case(  # their int64 sum wraps round to 5
+            ValueError,
+            "lengths must be at most the 5 ids of values; got 4611686018427387904 for key '0', bag 0",
+            lengths=torch.tensor([[2**62, 2**62], [2**62, 2**62 + 5]]),
+        ),
+        "meta lengths": case(TypeError, "lengths of shape .* on the meta device", lengths=lengths.to("meta")),
+        "meta values": case(TypeError, "values of shape .* on the meta device", values=values.to("meta")),
         "short weights": case(ValueError, r"values holds 5 ids; weights has shape \[4\] \(4\)", weights=torch.ones(4)),
         "2-D weights": case(ValueError, r"weights has shape \[5, 1\]", weights=torch.ones(5, 1)),
         "integer weights": case(

@@ -179,7 +179,11 @@ def test_tables_moved_apart_are_looked_up_one_by_one(grouping) -> None:
         (lambda e: e({"item": torch.tensor([1, 2])}), ValueError, "feature 'item'"),
         (lambda e: e({"item": torch.tensor([[1]])}, per_sample_weights={"user": torch.ones(1)}), ValueError, "no ids"),
         (lambda e: e({"item": torch.tensor([[1]])}, offsets={"city": torch.tensor([0])}), ValueError, "no ids"),
-        (lambda e: e({"item": torch.tensor([[1]])}, per_sample_weights={"item": torch.ones(2)}), ValueError, "2 per"),
+        (
+            lambda e: e({"item": torch.tensor([[1]])}, per_sample_weights={"item": torch.ones(2)}),
+            ValueError,
+            r"shape \[2\] must",
+        ),
         (lambda e: e({"item": torch.tensor([[1]])}, offsets=[0]), TypeError, "offsets must be a dict"),
         (lambda e: e([1, 2]), TypeError, "features must be a dict"),
         (lambda e: EmbeddingBagCollection({"a": (10, 4)}), TypeError, "must be a TableConfig"),

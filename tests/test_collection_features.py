@@ -39,7 +39,7 @@ def test_a_table_serves_its_features_as_one_bag_per_feature_over_its_rows(groupi
         for t, b in ebc.embedding_bags.items()
     }
     ids = batch()
-    weights = {"candidate_user": torch.rand(12)}  # one feature of the table weighted, the other not
+    weights = {"candidate_user": torch.rand(4, 3)}  # one feature of the table weighted, the other not
     with torch.profiler.profile() as prof:
         out = ebc(ids, per_sample_weights=weights)
     lookups = ("aten::_embedding_bag", "aten::_embedding_bag_forward_only")  # a sparse table's forward: the latter
@@ -49,12 +49,11 @@ def test_a_table_serves_its_features_as_one_bag_per_feature_over_its_rows(groupi
     for f, x in ids.items():
         table = ebc.feature_tables[f]
         psw = weights.get(f)
-        want = plain[table](x.reshape(-1), torch.arange(0, 12, 3), per_sample_weights=psw)
+        want = plain[table](x, per_sample_weights=psw)
         torch.testing.assert_close(out[f], want, atol=1e-6, rtol=0)
     sum((v * (i + 1)).sum() for i, v in enumerate(out.values())).backward()
     for i, (f, x) in enumerate(ids.items()):
-        psw = weights.get(f)
-        bags = plain[ebc.feature_tables[f]](x.reshape(-1), torch.arange(0, 12, 3), per_sample_weights=psw)
+        bags = plain[ebc.feature_tables[f]](x, per_sample_weights=weights.get(f))
         (bags * (i + 1)).sum().backward()
     for t, bag in ebc.embedding_bags.items():
         grads = [p.grad.to_dense() if sparse else p.grad for p in bag.shards]

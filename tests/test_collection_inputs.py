@@ -80,3 +80,13 @@ def test_any_jagged_batch_splits_as_sliced_and_any_negative_length_is_refused(le
     bad[key, 1] += sum(map(sum, lengths)) + 1
     with pytest.raises(ValueError, match=f"got -\\d+ for key '{keys[key]}', bag 0"):
         KeyedJagged(keys, values, bad)
+
+
+def test_keyed_jagged_batches_compare_by_identity_as_torchrecs_do() -> None:
+    def make() -> KeyedJagged:
+        return KeyedJagged(("0", "1"), torch.tensor([1, 2, 3]), torch.tensor([[1, 1], [0, 1]]))
+
+    one, other = make(), make()
+    assert one == one and one != other and one in [other, one] and len({one, other}) == 2  # no tensor truth value
+    rows = shardvar.JaggedRows(torch.ones(2, 3), torch.tensor([2]))
+    assert rows == rows and rows != shardvar.JaggedRows(torch.ones(2, 3), torch.tensor([2]))

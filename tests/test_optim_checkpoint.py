@@ -87,3 +87,38 @@ def test_loading_into_another_optimizer_class_is_refused_before_anything_changes
     with pytest.raises(shardvar.CheckpointError, match="not in the checkpoint"):
         shardvar.load({"opt": other}, tmp_path)
     assert torch.equal(other.state_dict()["state"]["emb.weight/exp_avg"], before)
+
+
+def _groups(m: nn.ModuleDict, **first: object) -> list[dict]:
+    return [{"params": [("emb", m["emb"])], **first}, {"params": [("head", m["head"])]}]
+
+
+@pytest.mark.parametrize("make", [so.RowWiseAdam, so.SGD], ids=lambda c: c.__name__)
+def test_each_param_groups_options_resume_from_a_checkpoint_as_torchs_load_state_dict(tmp_path, make) -> None:
+    m = model(3)
+    opt = make(_groups(m, lr=0.2, weight_decay=0.01), lr=0.05)
+    opt.param_groups[1]["lr"] = 0.003  # as a learning-rate scheduler leaves it
+    train(m, opt, range(2))
+    shardvar.save({"model": m, "opt": opt}, tmp_path)
+    resumed = model(2, "mod")
+    resumed_opt = make(_groups(resumed), lr=0.05)
+    shardvar.load({"model": resumed, "opt": resumed_opt}, tmp_path)
+    mine = [{k: v for k, v in g.items() if k != "params"} for g in resumed_opt.param_groups]
+    assert mine == [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    assert isinstance(mine[0].get("betas", ()), tuple)  # JSON has no tuples: restored as the optimizer's own
+    train(m, opt, range(2, 4))
+    train(resumed, resumed_opt, range(2, 4))
+    torch.testing.assert_close(weights(resumed), weights(m), atol=1e-6, rtol=0)
+
+
+def test_an_optimizer_with_other_param_groups_is_refused_before_anything_changes(tmp_path) -> None:
+    m = model(3)
+    opt = so.RowWiseAdagrad(_groups(m, lr=0.2), lr=0.05)
+    train(m, opt, range(2))
+    shardvar.save({"model": m, "opt": opt}, tmp_path)
+    other = model(2)
+    other_opt = so.RowWiseAdagrad(other, lr=0.05)  # one group
+    before = weights(other).clone()
+    with pytest.raises(shardvar.CheckpointError, match="optimizer 'opt' has 1 param groups; the checkpoint has 2"):
+        shardvar.load({"model": other, "opt": other_opt}, tmp_path)
+    assert torch.equal(weights(other), before) and other_opt.param_groups[0]["lr"] == 0.05

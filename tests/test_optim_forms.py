@@ -114,3 +114,77 @@ def test_bad_param_groups_are_refused_naming_the_group(make, error, match) -> No
     (emb, _), _ = models()
     with pytest.raises(error, match=match):
         make(emb.parameters())
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda e, h: so.RowWiseAdagrad({*e.parameters(), *h.parameters()}),
+        lambda e, h: so.Adam([{"params": set(e.parameters())}, {"params": h.parameters()}]),
+        lambda e, h: so.SGD([{"params": frozenset(h.parameters())}], lr=0.1),
+    ],
+)
+def test_sets_are_refused_their_order_would_name_the_tables(make) -> None:
+    (emb, head), _ = models()  # "#0", "#1"...: a set's order changes between runs, the state would swap tables
+    with pytest.raises(TypeError, match=r"ordered collections.*got a set") as caught:
+        make(emb, head)
+    assert isinstance(caught.value, shardvar.ShardvarError)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_add_param_group_trains_the_added_tables_as_torch_optim(optimizer) -> None:
+    ours_cls, torch_cls, defaults, options = OPTIMIZERS[optimizer]
+    (emb, head), (plain, plain_head) = models()
+    ours, theirs = ours_cls(emb.parameters(), **defaults), torch_cls(plain.parameters(), **defaults)
+    ours.add_param_group({"params": head.parameters(), "lr": 0.05, **options})  # e.g. a layer unfrozen later
+    theirs.add_param_group({"params": plain_head.parameters(), "lr": 0.05, **options})
+    assert [t.name for t in ours.tables] == ["#0", "#1", "#2", "#3"]  # numbered on from the first group's
+    train(emb, head, ours)
+    train(plain, plain_head, theirs)
+    torch.testing.assert_close(emb.weight.to_tensor(), plain.weight.detach(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(head.weight, plain_head.weight, atol=1e-6, rtol=0)
+    again = ours_cls(emb.parameters(), **defaults)
+    again.add_param_group({"params": head.parameters(), "lr": 0.05, **options})
+    again.load_state_dict(ours.state_dict())
+    assert all(torch.equal(again.state_dict()["state"][k], v) for k, v in ours.state_dict()["state"].items())
+
+
+def test_add_param_group_refuses_a_table_already_optimized_or_a_bad_option_and_changes_nothing() -> None:
+    (emb, head), _ = models()
+    opt = so.RowWiseAdagrad(emb.parameters(), lr=0.1)
+    bad = [
+        ({"params": emb.parameters()}, ValueError, "shares a parameter with '#0'"),
+        ({"params": head.parameters(), "eps": -1}, ValueError, "param group 1: eps must be >= 0"),
+        ([head.weight], TypeError, "param_group must be a dict"),
+    ]
+    for group, error, match in bad:
+        with pytest.raises(error, match=match) as caught:
+            opt.add_param_group(group)
+        assert isinstance(caught.value, shardvar.ShardvarError)
+        assert len(opt.param_groups) == 1 and len(opt.tables) == 2
+    opt.add_param_group({"params": head.parameters()})  # the names refused groups would have taken are free
+    assert [t.name for t in opt.tables] == ["#0", "#1", "#2", "#3"]
+
+
+def test_sgd_momentum_in_an_added_group_gives_every_table_its_buffer() -> None:
+    (emb, head), (plain, plain_head) = models()
+    ours, theirs = so.SGD(emb.parameters(), lr=0.1), torch.optim.SGD(plain.parameters(), lr=0.1)
+    ours.add_param_group({"params": head.parameters(), "momentum": 0.9})
+    theirs.add_param_group({"params": plain_head.parameters(), "momentum": 0.9})
+    train(emb, head, ours)
+    train(plain, plain_head, theirs)
+    torch.testing.assert_close(head.weight, plain_head.weight, atol=1e-6, rtol=0)
+    assert {k.split("/")[1] for k in ours.state_dict()["state"]} == {"momentum_buffer", "step"}
+
+
+def test_a_fused_optimizer_updates_an_added_group_in_backward() -> None:
+    (emb, head), (plain, plain_head) = models()
+    ours, theirs = so.Adagrad(emb.parameters(), lr=0.1), torch.optim.Adagrad(plain.parameters(), lr=0.1)
+    so.fuse(ours)
+    ours.add_param_group({"params": head.parameters(), "lr": 0.05})
+    theirs.add_param_group({"params": plain_head.parameters(), "lr": 0.05})
+    train(emb, head, ours)
+    train(plain, plain_head, theirs)
+    assert head.weight.grad is None  # taken by the update inside backward
+    torch.testing.assert_close(head.weight, plain_head.weight, atol=1e-6, rtol=0)
+    torch.testing.assert_close(emb.weight.to_tensor(), plain.weight.detach(), atol=1e-6, rtol=0)

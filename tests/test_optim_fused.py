@@ -94,3 +94,29 @@ def test_fusing_twice_is_refused_and_remove_restores_step() -> None:
     before = m.weight.to_tensor().clone()
     opt.step()
     assert not torch.equal(m.weight.to_tensor(), before)
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+@pytest.mark.parametrize("width", [4, 6])  # the trained table grouped with the frozen one, or apart
+def test_a_frozen_table_is_left_alone_by_a_fused_optimizer_as_by_step(sparse, width) -> None:
+    def run(fused: bool) -> shardvar.EmbeddingBagCollection:
+        torch.manual_seed(0)
+        configs = {"frozen": shardvar.TableConfig(10, 4, 2, "mod"), "trained": shardvar.TableConfig(7, width, 3)}
+        ebc = shardvar.EmbeddingBagCollection(configs, sparse=sparse)
+        ebc.embedding_bags["frozen"].requires_grad_(False)  # e.g. pretrained; the optimizer is given the model
+        opt = so.RowWiseAdagrad(ebc, lr=0.1)
+        if fused:
+            so.fuse(opt)
+        for step in range(2):
+            ids = {"frozen": torch.tensor([[1, 2], [3, 1]]), "trained": torch.tensor([[step, 4], [5, 5]])}
+            sum(v.pow(2).sum() for v in ebc(ids).values()).backward()
+            opt.step()
+            opt.zero_grad()
+        return ebc
+
+    plain, fused = run(False), run(True)
+    for name in ("frozen", "trained"):
+        want = plain.embedding_bags[name].weight.to_tensor()
+        torch.testing.assert_close(fused.embedding_bags[name].weight.to_tensor(), want, atol=1e-6, rtol=0)
+    torch.manual_seed(0)
+    assert torch.equal(plain.embedding_bags["frozen"].weight.to_tensor(), torch.randn(10, 4))  # never updated

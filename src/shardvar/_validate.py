@@ -15,7 +15,13 @@ from typing import Any
 
 import torch
 
-from ._errors import ShardvarDeviceError, ShardvarIntegerError, ShardvarTypeError, ShardvarValueError
+from ._errors import (
+    ShardvarDeviceError,
+    ShardvarDTypeError,
+    ShardvarIntegerError,
+    ShardvarTypeError,
+    ShardvarValueError,
+)
 
 __all__ = [
     "check_int",
@@ -23,6 +29,7 @@ __all__ = [
     "check_number",
     "check_bool",
     "check_choice",
+    "check_float_dtype",
     "check_shape",
     "normalise_axis",
     "check_device",
@@ -104,6 +111,13 @@ def check_bool(value: object, name: str) -> bool:
     if not isinstance(value, bool):
         raise ShardvarTypeError(f"{name} must be True or False; got {value!r:.80}")
     return value
+
+
+def check_float_dtype(dtype: object, name: str = "dtype") -> torch.dtype | None:
+    """None, or a floating (or complex) ``torch.dtype``: what a trainable table holds."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and (dtype.is_floating_point or dtype.is_complex)):
+        raise ShardvarDTypeError(f"{name} must be a floating torch.dtype; got {dtype!r:.60} (e.g. torch.float32)")
+    return dtype
 
 
 def check_choice(value: Any, name: str, choices: Sequence[Any]) -> Any:

@@ -19,7 +19,7 @@ from .._validate import check_int
 from ..layout import Layout
 from ._chain import Chain, RowChanges, apply_rows
 from ._manifest import Manifest, VariableEntry
-from ._optim import check_optimizer
+from ._optim import check_group_count, check_optimizer, restored_groups
 from ._quantize import check_packed
 from ._restore import Files, _check_file, restore_into, restore_shard, restore_shards, verify_shards
 from ._state import Partial, State, notify, param_names, resolve
@@ -109,6 +109,11 @@ def _plan_load(chain: Chain, state: State, partial_ok: bool) -> tuple[list[_Targ
         more, slots = _optimizer_targets(chain, state, key, optimizer, partial_ok)
         targets += more
         optimizer_plans[key] = (slots, chain.extra["optimizers"][key]["param_groups"])
+    for key, optimizer in state.table_optimizers.items():
+        saved = (chain.extra.get("table_optimizers") or {}).get(key)
+        if saved is not None:  # (checkpoints before options were saved: the optimizer keeps its own)
+            check_group_count(key, optimizer, saved)
+            optimizer_plans[key] = (None, saved)
     return targets, optimizer_plans
 
 
@@ -169,15 +174,13 @@ def _apply_optimizers(state: State, plans: dict, targets: list[_Target], staged:
             i: {slot: staged[index[id(v)]][0] if isinstance(v, _Target) else v for slot, v in by_slot.items()}
             for i, by_slot in slots.items()
         }
-        groups = []
-        for current, saved in zip(optimizer.state_dict()["param_groups"], saved_groups, strict=True):
-            merged = {**current, **{k: v for k, v in saved.items() if k != "params" and v is not None}}
-            for k, v in current.items():
-                if isinstance(v, tuple) and k in saved:  # JSON has no tuples (Adam's betas)
-                    merged[k] = tuple(saved[k])
-            merged["params"] = current["params"]
-            groups.append(merged)
+        groups = restored_groups(optimizer.state_dict()["param_groups"], saved_groups)
         optimizer.load_state_dict({"state": new_state, "param_groups": groups})
+    for key, optimizer in state.table_optimizers.items():
+        if key in plans:  # the state went in with the variables: the options now
+            restored = restored_groups(optimizer.param_groups, plans[key][1])
+            for group, saved in zip(optimizer.param_groups, restored, strict=True):
+                group.update({k: v for k, v in saved.items() if k != "params"})
 
 
 def _as_checkpoint_error(e: Exception, directory: Path) -> ShardvarError:

@@ -17,7 +17,15 @@ import torch
 from .._errors import CheckpointError
 from ._state import Partial, State, param_names
 
-__all__ = ["optimizer_state", "optimizer_info", "merge_infos", "check_optimizer"]
+__all__ = [
+    "optimizer_state",
+    "optimizer_info",
+    "merge_infos",
+    "check_optimizer",
+    "group_options",
+    "check_group_count",
+    "restored_groups",
+]
 
 _SCALARS = (int, float, bool, str, type(None))
 
@@ -118,3 +126,33 @@ def check_optimizer(saved: Any, state: State, key: str, optimizer: torch.optim.O
                 f"parameters are {ours[:6]} (missing here: {missing[:6]}, unknown to the checkpoint: {extra[:6]}); "
                 "load the model in the same call so parameters are named alike"
             )
+
+
+def group_options(key: str, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's options (lr, betas...; not its parameters), as the manifest stores them."""
+    return [
+        {k: _json(v, f"option {k!r} of param group {g} of {key!r}") for k, v in group.items() if k != "params"}
+        for g, group in enumerate(optimizer.param_groups)
+    ]
+
+
+def check_group_count(key: str, optimizer: torch.optim.Optimizer, saved: list[Any]) -> None:
+    """Raise unless the optimizer has as many param groups as the checkpoint saved options for."""
+    if len(saved) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"optimizer {key!r} has {len(optimizer.param_groups)} param groups; the checkpoint has {len(saved)}: "
+            "build it with the same groups"
+        )
+
+
+def restored_groups(current_groups: list[dict[str, Any]], saved: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Param groups with the saved options over their own (tuples as their own: JSON has none)."""
+    groups = []
+    for current, theirs in zip(current_groups, saved, strict=True):
+        merged = {**current, **{k: v for k, v in theirs.items() if k != "params" and v is not None}}
+        for k, v in current.items():
+            if isinstance(v, tuple) and k in theirs:  # Adam's betas
+                merged[k] = tuple(theirs[k])
+        merged["params"] = current["params"]
+        groups.append(merged)
+    return groups

@@ -10,7 +10,7 @@ from .._errors import CheckpointError, CheckpointIOError, ShardvarError
 from .._validate import check_bool, check_int
 from ._async import AsyncSave, stage, start, wait_for_previous
 from ._delta import Delta, delta_entries, find_changes, remember
-from ._optim import optimizer_info, optimizer_state
+from ._optim import group_options, optimizer_info, optimizer_state
 from ._quantize import PACKED
 from ._state import Partial, notify, resolve
 from ._write import Coordinator, Entry, Progress, agree, check_dtypes, entry_of, write
@@ -30,6 +30,8 @@ def _plan_save(state_dict: dict[str, Any]) -> tuple[list[Entry], dict]:
     for key, optimizer in state.optimizers.items():
         entries += [entry_of(n, v) for n, v in optimizer_state(state, key, optimizer).items()]
         extra["optimizers"][key] = optimizer_info(state, key, optimizer)
+    if state.table_optimizers:  # their state is among the variables; their groups' options here
+        extra["table_optimizers"] = {key: group_options(key, opt) for key, opt in state.table_optimizers.items()}
     check_dtypes(entries)
     return entries, extra
 

@@ -45,6 +45,8 @@ class State:
     shard_of: dict[int, tuple[str, int, Partial]] = field(default_factory=dict)
     param_name: dict[int, str] = field(default_factory=dict)  # id(param) -> logical name
     optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
+    # shardvar.optim's optimizers (their state is among the variables): their param groups' options
+    table_optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
 
     def add_variable(self, name: str, value: Partial | torch.Tensor) -> None:
         if name in self.variables:
@@ -95,6 +97,8 @@ def resolve(state_dict: dict[str, Any]) -> State:
             for name, value in obj.sharded_variables().items():
                 partial = as_partial(value)
                 state.add_variable(f"{key}/{name}", partial if partial is not None else value)
+            if isinstance(obj, torch.optim.Optimizer):
+                state.table_optimizers[key] = obj
         elif isinstance(obj, torch.optim.Optimizer):
             state.optimizers[key] = obj
         else:

@@ -14,17 +14,20 @@ _INTEGER_DTYPES = frozenset(
 )
 
 
-def as_ids(ids: object, device: torch.device | str | None = None, *, allow_meta: bool = False) -> torch.Tensor:
+def as_ids(
+    ids: object, device: torch.device | str | None = None, *, allow_meta: bool = False, what: str = "ids"
+) -> torch.Tensor:
     """Turn ids (tensor, list, numpy array or int) into an int64 tensor, refusing non-integers.
 
     Ids on the meta device are refused (they hold no ids) unless ``allow_meta``: a lookup that
-    only plans shapes over a meta table.
+    only plans shapes over a meta table. ``what`` names them in errors (``"offsets"``: integers
+    read by the same rule).
     """
     if isinstance(ids, torch.Tensor):
         if ids.dtype not in _INTEGER_DTYPES:
-            raise ShardvarTypeError(f"ids must be an integer tensor; got dtype {ids.dtype}")
+            raise ShardvarTypeError(f"{what} must be an integer tensor; got dtype {ids.dtype}")
         if not allow_meta:
-            check_has_values(ids, "ids")
+            check_has_values(ids, what)
         if ids.is_nested:
             raise ShardvarTypeError(
                 f"ids must be a plain tensor here; got a nested tensor (layout={ids.layout}); jagged ids are taken "
@@ -33,21 +36,21 @@ def as_ids(ids: object, device: torch.device | str | None = None, *, allow_meta:
         t = ids
     else:
         if isinstance(ids, bool) or (isinstance(ids, (list, tuple)) and any(isinstance(i, bool) for i in ids)):
-            raise ShardvarTypeError(f"ids must be integers; got booleans in {ids!r}")
+            raise ShardvarTypeError(f"{what} must be integers; got booleans in {ids!r}")
         try:
             t = torch.as_tensor(ids)
         except (TypeError, ValueError, RuntimeError) as e:
-            raise ShardvarTypeError(f"ids must be integers; could not read {ids!r} as a tensor ({e})") from None
+            raise ShardvarTypeError(f"{what} must be integers; could not read {ids!r} as a tensor ({e})") from None
         if t.numel() == 0 and t.dtype not in _INTEGER_DTYPES:
             t = t.to(torch.int64)  # [] has no dtype of its own; an empty list is a valid empty id list
         if t.dtype not in _INTEGER_DTYPES:
-            raise ShardvarTypeError(f"ids must be integers; got dtype {t.dtype} from {ids!r}")
+            raise ShardvarTypeError(f"{what} must be integers; got dtype {t.dtype} from {ids!r}")
     if t.dtype == torch.uint64:
         wrapped = t.reshape(-1).view(torch.int64) < 0  # values >= 2**63 wrap negative in int64
         if bool(wrapped.any()):
             at = int(torch.nonzero(wrapped)[0])
             value = int(t.reshape(-1).view(torch.int64)[at]) + 2**64
-            raise ShardvarIndexError(f"ids must fit in int64; got {value} at position {at}")
+            raise ShardvarIndexError(f"{what} must fit in int64; got {value} at position {at}")
     if device is not None:
         t = t.to(device)
     return t if t.dtype == torch.int64 else t.to(torch.int64)  # no call at all for the usual ids

@@ -11,98 +11,49 @@ looked up table by table.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._errors import ShardvarTypeError, ShardvarValueError
+from .._errors import ShardvarError, ShardvarTypeError, ShardvarValueError
 from .._pages import empty
 from .._recycle import Recycler
-from .._validate import check_choice, check_int
 from ..layout import Layout, as_ids, check_ids
 from ..variables import ShardedVariable
-from ..variables._functional import _check_bag, slab_weight
+from ..variables._functional import _check_bag, _check_weights, slab_weight
 from ..variables._memory import as_slab
 from ._bag_grad import Part, sparse_bag
-from ._collection_build import build_tables
+from ._collection_build import TableConfig, build_tables, check_tables, feature_map
 from ._embedding import ShardedEmbedding, ShardedEmbeddingBag
-from ._jagged import KeyedJagged, check_names, jagged_split
+from ._jagged import KeyedJagged, jagged_split
 
 __all__ = ["EmbeddingBagCollection", "TableConfig", "KeyedJagged"]
 
 Table = ShardedEmbedding | ShardedEmbeddingBag  # a pooled collection's tables are bags, a sequence one's not
 
 
-@dataclass(frozen=True)
-class TableConfig:
-    """One table of a collection: rows, width, how it is split (a count, partitioner or Layout), pooling,
-    and the features it serves (``feature_names``; None: the one feature named as the table).
-
-    >>> TableConfig(100, 8, feature_names=["query_user", "candidate_user"]).feature_names
-    ('query_user', 'candidate_user')
-    """
-
-    num_embeddings: int
-    embedding_dim: int
-    partitioner: Any = 1
-    partition_strategy: str = "div"
-    mode: str = "sum"
-    feature_names: tuple[str, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if self.feature_names is not None:
-            names = check_names(self.feature_names, "feature_names")
-            if not names:
-                raise ShardvarValueError("feature_names is empty; a table serves at least one feature (None: its name)")
-            object.__setattr__(self, "feature_names", names)  # frozen: set once, as a tuple
-
-
-def check_tables(tables: Any, sparse: bool, pooled: bool) -> None:
-    """A non-empty dict of TableConfigs whose options a collection (pooled or not) can honour."""
-    if not isinstance(tables, dict) or not tables:
-        raise ShardvarTypeError(f"tables must be a non-empty dict of name -> TableConfig; got {tables!r:.80}")
-    for name, cfg in tables.items():
-        if not isinstance(cfg, TableConfig):
-            raise ShardvarTypeError(f"table {name!r} must be a TableConfig; got {type(cfg).__name__}")
-        check_choice(
-            cfg.mode,
-            "mode" if pooled else "mode (an EmbeddingCollection does not pool)",
-            ("sum", "mean", "max") if pooled else ("sum",),
-        )
-        if cfg.mode == "max" and sparse:
-            raise ShardvarValueError(
-                f"table {name!r}: mode 'max' has no sparse gradient (torch's rule); use sum or mean"
-            )
-        check_int(cfg.embedding_dim, "embedding_dim", minimum=1)
-
-
-def feature_map(tables: Mapping[str, TableConfig]) -> dict[str, str]:
-    """Each feature -> the table that serves it; a feature served by two tables is refused."""
-    out: dict[str, str] = {}
-    for name, cfg in tables.items():
-        for feature in cfg.feature_names or (name,):
-            if feature in out:
-                raise ShardvarValueError(
-                    f"feature {feature!r} is served by tables {out[feature]!r} and {name!r}; a feature has one table"
-                )
-            out[feature] = name
-    return out
-
-
-def _as_bags(name: str, ids: Any, offsets: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """1-D ids and checked offsets (a bad offset would otherwise reach into another table's ids)."""
-    ids = as_ids(ids)
+def feature_bags(
+    f: str, inputs: tuple[dict, dict, dict], num_rows: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Feature ``f``'s 1-D ids, offsets and weights, or the error naming the feature: the ids of its table's
+    ``num_rows``, offsets over them (a bad one would reach into another table's ids), weights by torch's
+    rule (the ids' shape, the table's ``dtype``: one rule whether its table is grouped or not)."""
+    features, offsets, weights = inputs
     try:
-        checked = _check_bag(ids, offsets, include_last_offset=False)
-    except ShardvarValueError as e:
-        raise ShardvarValueError(f"feature {name!r}: {e}") from None
+        ids = as_ids(features[f])
+        checked = _check_bag(ids, offsets.get(f), include_last_offset=False)
+        check_ids(ids, num_rows)
+        w = weights.get(f)
+        if w is not None:
+            w = _check_weights(w, ids, "sum", dtype).reshape(-1)
+    except ShardvarError as e:
+        raise type(e)(f"feature {f!r}: {e}") from None
     if checked is None:  # [bags, ids per bag]
-        return ids.reshape(-1), torch.arange(ids.shape[0], device=ids.device) * ids.shape[1]
-    return ids, checked
+        return ids.reshape(-1), torch.arange(ids.shape[0], device=ids.device) * ids.shape[1], w
+    return ids, checked, w
 
 
 class EmbeddingBagCollection(nn.Module):
@@ -207,13 +158,36 @@ def lookup_tables(
     kernel per group of :func:`batch_tables`; everything checked first."""
     table_of = table_of if table_of is not None else {n: n for n in bags}
     modes = {f: pooling(bags[t]) for f, t in table_of.items()}
-    features, offsets, weights = split_inputs(features, offsets, per_sample_weights, modes)
+    last = () if not isinstance(features, KeyedJagged) else [f for f, t in table_of.items() if _reads_end(bags[t])]
+    features, offsets, weights = split_inputs(features, offsets, per_sample_weights, modes, last)
     out: dict[str, torch.Tensor] = {}
-    for names, variable in groups:
+    for names, variable in _reading_first(bags, groups, table_of, (features, offsets, weights)):
         present = [f for f in features if table_of[f] in names]
         if present:
             out.update(_lookup_group(bags, present, table_of, names, variable, (features, offsets, weights)))
     return {f: out[f] for f in features}
+
+
+def _reads_end(table: Table) -> bool:
+    """Whether the table reads its bags' offsets with the ids' end last (``include_last_offset``)."""
+    return getattr(table, "include_last_offset", False)
+
+
+def _reading_first(
+    tables: Mapping[str, Table], groups: list, table_of: Mapping[str, str], inputs: tuple[dict, dict, dict]
+) -> list:
+    """The groups, those whose lookup writes its table (``max_norm`` renormalises rows) last, their features
+    checked before any group runs: a refused input leaves every table as it was."""
+    writing = [
+        i for i, (n, v) in enumerate(groups) if v is None and getattr(tables[n[0]], "max_norm", None) is not None
+    ]
+    if not writing:
+        return groups
+    for f in inputs[0]:
+        t = table_of[f]
+        if any(t in groups[i][0] for i in writing):
+            feature_bags(f, inputs, tables[t].layout.num_rows, tables[t].store.dtype)
+    return [g for i, g in enumerate(groups) if i not in writing] + [groups[i] for i in writing]
 
 
 def pooling(table: Table) -> str | None:
@@ -222,10 +196,15 @@ def pooling(table: Table) -> str | None:
 
 
 def split_inputs(
-    features: Any, offsets: Any, per_sample_weights: Any, modes: Mapping[str, str | None]
+    features: Any,
+    offsets: Any,
+    per_sample_weights: Any,
+    modes: Mapping[str, str | None],
+    last_offset: Sequence[str] = (),
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """(ids, offsets, weights) by feature, from dicts or a KeyedJagged, checked against the tables' modes
-    (None: a table that does not pool).
+    (None: a table that does not pool); a KeyedJagged's offsets of the features in ``last_offset`` end
+    with the ids' end, as their tables read them (``include_last_offset``), as offsets given in a dict do.
 
     Whatever the grouping of the tables, weights given for some features weight those and the
     others pool unweighted; offsets or weights for a feature without ids are refused.
@@ -237,6 +216,8 @@ def split_inputs(
                 f"per_sample_weights={per_sample_weights!r:.40} besides: leave them out"
             )
         features, offsets, per_sample_weights = features.split()
+        for f in set(last_offset) & offsets.keys():
+            offsets[f] = torch.cat([offsets[f], offsets[f].new_tensor([features[f].numel()])])
     if not isinstance(features, dict):
         raise ShardvarTypeError(
             f"features must be a dict of name -> ids, or a KeyedJagged; got {type(features).__name__}"
@@ -300,9 +281,13 @@ def _lookup_table(
     if not mine:
         return {}
     pooled = pooling(table) is not None
-    if len(mine) == 1 and pooled:  # the feature's own offsets as given (a table with include_last_offset reads them so)
+    if len(mine) == 1 and pooled:  # as given: 2-D ids, offsets as the table reads them (include_last_offset)
         f = mine[0]
-        return {f: table(*_as_bags(f, features[f], offsets.get(f)), per_sample_weights=weights.get(f))}
+        try:
+            as_ids(features[f])  # the collection's ids (a table alone also takes nested ones)
+            return {f: table(features[f], offsets.get(f), per_sample_weights=weights.get(f))}
+        except ShardvarError as e:  # checked by the table's forward before its lookup, by the same rules
+            raise type(e)(f"feature {f!r}: {e}") from None
     logical = {name: Layout.div(table.num_embeddings, 1)}  # the table's own ids: its forward finds their shards
     ids, offs, psw, counts = pack(mine, table_of, logical, {name: 0}, table.store.dtype, *inputs)
     if not pooled:
@@ -333,16 +318,8 @@ def pack(
     memory of the last call's rows where ``recycler`` is given and nothing holds them (CPU: no fresh
     pages to fault in; the rows live as long as the call's backward anyway).
     """
-    checked = []
-    for f in present:
-        ids, off = _as_bags(f, features[f], offsets.get(f))
-        check_ids(ids, layouts[table_of[f]].num_rows)
-        w = None
-        if f in weights:
-            w = torch.as_tensor(weights[f], dtype=dtype, device=ids.device).reshape(-1)
-            if w.numel() != ids.numel():
-                raise ShardvarValueError(f"feature {f!r}: {w.numel()} per_sample_weights for {ids.numel()} ids")
-        checked.append((f, ids, off, w))
+    inputs = (features, offsets, weights)
+    checked = [(f, *feature_bags(f, inputs, layouts[table_of[f]].num_rows, dtype)) for f in present]
     device = checked[0][1].device if checked else None
     size = sum(ids.numel() for _, ids, _, _ in checked)
     if recycler is not None and device is not None and device.type == "cpu":

@@ -1,4 +1,5 @@
-"""A collection's tables built in place: each group's one allocation first, each table drawn into its rows.
+"""A collection's tables: their configs checked, and built in place (each group's one allocation first,
+each table drawn into its rows).
 
 Tables built one by one and then copied into their group's allocation (the tables of one width
 and pooling, which :func:`batch_tables` looks up in one kernel) would all be held twice at the
@@ -12,16 +13,81 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from .._errors import ShardvarTypeError, ShardvarValueError
 from .._pages import empty
+from .._validate import check_choice, check_float_dtype, check_int
 from ..layout import Layout
 from ..variables import ShardStore, to_layout
+from ._jagged import check_names
 
-__all__ = ["build_tables"]
+__all__ = ["TableConfig", "build_tables", "check_tables", "feature_map"]
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """One table of a collection: rows, width, how it is split (a count, partitioner or Layout), pooling,
+    and the features it serves (``feature_names``; None: the one feature named as the table).
+
+    >>> TableConfig(100, 8, feature_names=["query_user", "candidate_user"]).feature_names
+    ('query_user', 'candidate_user')
+    """
+
+    num_embeddings: int
+    embedding_dim: int
+    partitioner: Any = 1
+    partition_strategy: str = "div"
+    mode: str = "sum"
+    feature_names: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.feature_names is not None:
+            names = check_names(self.feature_names, "feature_names")
+            if not names:
+                raise ShardvarValueError("feature_names is empty; a table serves at least one feature (None: its name)")
+            object.__setattr__(self, "feature_names", names)  # frozen: set once, as a tuple
+
+
+def check_tables(tables: Any, sparse: bool, pooled: bool) -> None:
+    """A non-empty dict of TableConfigs whose options a collection (pooled or not) can honour."""
+    if not isinstance(tables, dict) or not tables:
+        raise ShardvarTypeError(f"tables must be a non-empty dict of name -> TableConfig; got {tables!r:.80}")
+    for name, cfg in tables.items():
+        if not isinstance(name, str) or not name or "." in name:  # each is a module's name (the state dict's keys)
+            got = f"{name!r:.60} ({type(name).__name__})"
+            error = ShardvarTypeError if not isinstance(name, str) else ShardvarValueError
+            raise error(f"table names must be non-empty strings without '.' (module names); got {got}")
+        if not isinstance(cfg, TableConfig):
+            raise ShardvarTypeError(f"table {name!r} must be a TableConfig; got {type(cfg).__name__}")
+        check_choice(
+            cfg.mode,
+            "mode" if pooled else "mode (an EmbeddingCollection does not pool)",
+            ("sum", "mean", "max") if pooled else ("sum",),
+        )
+        if cfg.mode == "max" and sparse:
+            raise ShardvarValueError(
+                f"table {name!r}: mode 'max' has no sparse gradient (torch's rule); use sum or mean"
+            )
+        check_int(cfg.embedding_dim, "embedding_dim", minimum=1)
+
+
+def feature_map(tables: Mapping[str, TableConfig]) -> dict[str, str]:
+    """Each feature -> the table that serves it; a feature served by two tables is refused."""
+    out: dict[str, str] = {}
+    for name, cfg in tables.items():
+        for feature in cfg.feature_names or (name,):
+            if feature in out:
+                raise ShardvarValueError(
+                    f"feature {feature!r} is served by tables {out[feature]!r} and {name!r}; a feature has one table"
+                )
+            out[feature] = name
+    return out
+
 
 PIECE_BYTES = 1 << 20  # the most drawn outside the tables at once (mod shards: logical rows are scattered)
 
@@ -61,7 +127,7 @@ def build_tables(
     A table whose layout is not split by rows gets ``store=None``: ``make`` builds (and checks) it
     its own way.
     """
-    dtype = dtype or torch.get_default_dtype()
+    dtype = check_float_dtype(dtype) or torch.get_default_dtype()
     layouts = {
         name: to_layout(c.partitioner, (c.num_embeddings, c.embedding_dim), dtype, c.partition_strategy)
         for name, c in tables.items()

@@ -69,25 +69,32 @@ class EmbeddingBagList(_Batched, nn.ModuleList):
             )
         if as_list and len(features) != len(self):
             raise ShardvarValueError(f"got {len(features)} features for {len(self)} tables; give one per table")
-
-        def by_name(given: Any, what: str) -> dict[str, Any] | None:
-            if given is None:
-                return None
-            if isinstance(given, (list, tuple)):
-                return {str(k): v for k, v in zip(keys, given, strict=True) if v is not None}
-            if isinstance(given, dict):
-                return {str(k): v for k, v in given.items()}
-            raise ShardvarTypeError(f"{what} must be given like features (a list or dict); got {type(given).__name__}")
-
-        named = by_name(features, "features")
-        out = lookup_tables(
-            self._tables(),
-            self._grouped(),
-            named,
-            by_name(offsets, "offsets"),
-            by_name(per_sample_weights, "per_sample_weights"),
-        )
+        if as_list and any(x is None for x in features):
+            at = next(i for i, x in enumerate(features) if x is None)
+            raise ShardvarValueError(f"features[{at}] is None; give ids for every table, or a dict of those given")
+        inputs = {"features": features, "offsets": offsets, "per_sample_weights": per_sample_weights}
+        out = lookup_tables(self._tables(), self._grouped(), *(_by_name(v, what, keys) for what, v in inputs.items()))
         return [out[str(k)] for k in keys] if as_list else {k: out[str(k)] for k in keys}
+
+
+def _by_name(given: Any, what: str, keys: list[Any]) -> dict[str, Any] | None:
+    """A list's or dict's entries by table name (``"0"``, ``"1"``...); a list's None: none for that table."""
+    if given is None:
+        return None
+    if isinstance(given, (list, tuple)):
+        if len(given) != len(keys):
+            raise ShardvarValueError(f"{what} has {len(given)} entries for {len(keys)} tables; give one per table")
+        return {str(k): v for k, v in zip(keys, given, strict=True) if v is not None}
+    if not isinstance(given, dict):
+        raise ShardvarTypeError(f"{what} must be given like features (a list or dict); got {type(given).__name__}")
+    named: dict[str, Any] = {}
+    first: dict[str, Any] = {}
+    for k, v in given.items():
+        if str(k) in first:  # 0 and "0": one table given twice, one of them would be dropped
+            raise ShardvarValueError(f"{what} {first[str(k)]!r} and {k!r} name the same table; give it once")
+        first[str(k)] = k
+        named[str(k)] = v
+    return named
 
 
 class EmbeddingBagDict(_Batched, nn.ModuleDict):

@@ -14,7 +14,7 @@ from torch import nn
 
 from .._errors import ShardvarValueError
 from .._pages import empty
-from .._validate import check_bool, check_choice, check_device, check_int, check_number
+from .._validate import check_bool, check_choice, check_device, check_float_dtype, check_int, check_number
 from ..layout import Layout
 from ..variables import ShardStore, functional, to_layout
 from ._sharded_weight import ShardedWeight
@@ -66,6 +66,7 @@ class _ShardedTable(ShardedWeight):
         _store: ShardStore | None = None,
     ) -> None:
         nn.Module.__init__(self)  # not nn.Embedding's: it would allocate the whole table
+        dtype = check_float_dtype(dtype)
         self.num_embeddings = check_int(num_embeddings, "num_embeddings", minimum=0)
         self.embedding_dim = check_int(embedding_dim, "embedding_dim", minimum=0)
         shape = (self.num_embeddings, self.embedding_dim)

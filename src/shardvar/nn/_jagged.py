@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .._errors import ShardvarTypeError, ShardvarValueError
+from .._validate import check_has_values
 
 __all__ = ["JaggedRows", "KeyedJagged", "check_jagged", "check_names", "jagged_split"]
 
@@ -54,6 +55,8 @@ def check_jagged(
     """The four parts of a :class:`KeyedJagged` as tensors, or the error naming the first bad one."""
     keys = check_names(keys)
     values, lengths = _tensor(values, "values"), _tensor(lengths, "lengths")
+    check_has_values(values, "values")
+    check_has_values(lengths, "lengths")
     if not _integer(values):
         raise ShardvarTypeError(f"values must be integer ids; got dtype {values.dtype}")
     if values.dim() != 1:
@@ -62,14 +65,21 @@ def check_jagged(
         raise ShardvarTypeError(f"lengths must be an integer tensor; got dtype {lengths.dtype}")
     if lengths.dim() != 2 or lengths.shape[0] != len(keys):
         raise ShardvarValueError(f"lengths must be [{len(keys)} keys, batch]; got shape {list(lengths.shape)}")
-    if lengths.numel() and int(lengths.min()) < 0:
+    low, high = torch.aminmax(lengths) if lengths.numel() else (0, 0)
+    if int(low) < 0:
         key, bag = divmod(int(torch.argmin(lengths)), lengths.shape[1])
-        raise ShardvarValueError(f"lengths must be >= 0; got {int(lengths.min())} for key {keys[key]!r}, bag {bag}")
+        raise ShardvarValueError(f"lengths must be >= 0; got {int(low)} for key {keys[key]!r}, bag {bag}")
+    if int(high) > values.numel():  # the sum below could wrap round past int64 and still match
+        key, bag = divmod(int(torch.nonzero(lengths.reshape(-1) > values.numel())[0]), lengths.shape[1])
+        raise ShardvarValueError(
+            f"lengths must be at most the {values.numel()} ids of values; got {int(lengths[key, bag])} for key "
+            f"{keys[key]!r}, bag {bag}"
+        )
     total = int(lengths.sum())
     if total != values.numel():
         raise ShardvarValueError(f"lengths add up to {total} ids; values holds {values.numel()}")
     if weights is not None:
-        weights = _tensor(weights, "weights")
+        weights = check_has_values(_tensor(weights, "weights"), "weights")
         if not weights.dtype.is_floating_point:
             raise ShardvarTypeError(f"weights must be a floating tensor (one weight per id); got dtype {weights.dtype}")
         if weights.dim() != 1 or weights.numel() != values.numel():
@@ -80,7 +90,7 @@ def check_jagged(
     return keys, values, lengths, weights
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity, as TorchRec's: tensors have no single truth value
 class KeyedJagged:
     """Ids of several features as one jagged batch: ``values`` of key k are ``lengths[k]`` per bag.
 
@@ -113,9 +123,9 @@ class KeyedJagged:
         return ids, offsets, by_key
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class JaggedRows:
-    """One feature's looked-up rows, bag by bag: ``values`` ``[ids, dim]`` and ``lengths`` ``[bags]``.
+    """One feature's looked-up rows, bag by bag: ``values`` ``[ids, dim]`` and ``lengths`` ``[bags]`` (int64).
 
     >>> rows = JaggedRows(torch.arange(6.0).reshape(3, 2), torch.tensor([2, 0, 1]))
     >>> rows.to_padded().shape, rows.offsets().tolist()
@@ -141,6 +151,7 @@ class JaggedRows:
 
 def jagged_split(values: torch.Tensor, offsets: torch.Tensor, counts: list[int], features: list[str]) -> dict:
     """Rows looked up for packed features (bags per feature ``counts``) as each feature's JaggedRows."""
+    offsets = offsets.to(torch.int64)  # int64 lengths whatever index dtype the kernel read
     lengths = torch.diff(offsets, append=offsets.new_tensor([values.shape[0]]))
     per_feature = lengths.split(counts)
     sizes = [int(x.sum()) for x in per_feature]

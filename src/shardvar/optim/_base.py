@@ -9,12 +9,13 @@ table changes. ``param_groups`` carry the options, so learning-rate schedulers w
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 
-from .._errors import ShardvarError, ShardvarIndexError, ShardvarValueError
+from .._errors import ShardvarError, ShardvarIndexError, ShardvarTypeError, ShardvarValueError
 from .._pages import zeros, zeros_like
 from .._validate import check_number
 from ..variables import ShardsView
@@ -96,26 +97,48 @@ class TableOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
         self._check_options(defaults)
-        groups = find_tables(params)
         self._groups_tables: list[list[Table]] = []
-        torch_groups = []
-        for group in groups:
-            options = {k: v for k, v in group.items() if k != "tables"}
-            self._groups_tables.append(group["tables"])
-            torch_groups.append({**options, "params": [p for t in group["tables"] for p in t.params]})
-        super().__init__(torch_groups, defaults)
-        for i, group in enumerate(self.param_groups):  # every group's own options, before any state exists
-            try:
-                self._check_options(group)
-            except ShardvarError as e:
-                raise type(e)(f"param group {i}: {e}") from None
+        numbers = itertools.count()  # "#<i>" of the tables given without a name, counted on by add_param_group
+        self._found = find_tables(params, numbers)  # torch's __init__ hands them to add_param_group one by one
+        self._next_number = next(numbers)
+        super().__init__([{"params": []} for _ in self._found], defaults)
+        del self._found
+
+    _fused: Any = None  # the FusedHandle while fused
+    _next_number = 0  # the number of the next table given without a name
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """``torch.optim``'s: the group's tables (unnamed ones numbered on), its options checked, its state
+        made (and fused, if the optimizer is). Refused with nothing changed if an option is bad or a table
+        is optimized already."""
+        numbers = itertools.count(self._next_number)
+        if self.__dict__.get("_found"):  # one of __init__'s groups, found with the others
+            group = self._found.pop(0)
+        elif not isinstance(param_group, dict):
+            raise ShardvarTypeError(f"param_group must be a dict with 'params'; got {type(param_group).__name__}")
+        else:
+            [group] = find_tables([param_group], numbers, self.tables)
+        options = {k: v for k, v in group.items() if k != "tables"}
+        super().add_param_group({**options, "params": [p for t in group["tables"] for p in t.params]})
+        try:  # the group's own options, before any state exists
+            self._check_options(self.param_groups[-1])
+        except ShardvarError as e:
+            self.param_groups.pop()
+            raise type(e)(f"param group {len(self.param_groups)}: {e}") from None
+        self._groups_tables.append(group["tables"])
+        self._next_number = next(numbers)
+        self._add_slots()
+        if self._fused is not None:
+            self._fused.attach(group["tables"], self.param_groups[-1])
+
+    def _add_slots(self) -> None:
+        """Every table gets the state the groups need and it lacks (SGD's buffers once a group has momentum)."""
         self.slots = self.needed_slots()
         for tables, group in zip(self._groups_tables, self.param_groups, strict=True):
             for t in tables:
                 for slot, (row_wise, fill) in self.slots.items():
-                    t.add_slot(slot, row_wise, float(group[fill] if isinstance(fill, str) else fill))
-
-    _fused: Any = None  # the FusedHandle while fused
+                    if slot not in t.state:
+                        t.add_slot(slot, row_wise, float(group[fill] if isinstance(fill, str) else fill))
 
     def __getstate__(self) -> dict[str, Any]:  # torch's keeps only defaults, state and param_groups
         return self.__dict__.copy()

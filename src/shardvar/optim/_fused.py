@@ -48,6 +48,21 @@ class FusedHandle:
             t.store.sink = None
         self.optimizer._fused = None
 
+    def attach(self, tables: list[Table], group: dict[str, Any]) -> None:
+        """Update ``tables`` (of param group ``group``) inside backward from now on; a frozen table (no shard
+        requires grad) is left alone, as ``step()`` leaves a parameter without a gradient."""
+        for t in tables:
+            shards = t.store.local_shards()
+            if not any(p.requires_grad for p in shards.values()):
+                continue
+            if t.store.full_slab is not None and len(t.store.groups) == 1:  # a collection updates it in backward
+                t.store.sink = self._sink(t, group)
+            for g, store_group in enumerate(t.store.groups):
+                for k, s in enumerate(store_group.members):
+                    if shards[s].requires_grad:
+                        hook = self._hook(t, group, g, k)
+                        self._hooks.append(shards[s].register_post_accumulate_grad_hook(hook))
+
     def _finish(self) -> None:
         sparse, self._sparse = self._sparse, {}
         try:
@@ -97,13 +112,6 @@ def fuse(optimizer: TableOptimizer) -> FusedHandle:
         raise ShardvarValueError("this optimizer is already fused; call .remove() on its handle first")
     handle = FusedHandle(optimizer)
     for tables, group in zip(optimizer._groups_tables, optimizer.param_groups, strict=True):
-        for t in tables:
-            if t.store.full_slab is not None and len(t.store.groups) == 1:  # a collection updates it in backward
-                t.store.sink = handle._sink(t, group)
-            shards = t.store.local_shards()
-            for g, store_group in enumerate(t.store.groups):
-                for k, s in enumerate(store_group.members):
-                    hook = handle._hook(t, group, g, k)
-                    handle._hooks.append(shards[s].register_post_accumulate_grad_hook(hook))
+        handle.attach(tables, group)
     optimizer._fused = handle
     return handle

@@ -10,7 +10,7 @@ not once per shard, and the checkpoint saves the state as logical variables in t
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,6 +120,11 @@ def _one(item: Any, name: str) -> list[Table]:
 def _items(params: Any, what: str) -> list[Any]:
     if isinstance(params, (nn.Module, ShardedVariable, ShardStore, torch.Tensor)):
         return [params]
+    if isinstance(params, (set, frozenset)):  # unnamed tables are numbered in order: a set's changes between runs
+        raise ShardvarTypeError(
+            f"optimizer parameters need to be organized in ordered collections (a list); got a set as {what}: "
+            "its order changes between runs, and with it the tables the saved state is loaded into"
+        )
     if isinstance(params, (str, bytes, dict)) or not isinstance(params, Iterable):
         raise ShardvarTypeError(
             f"cannot optimize a {type(params).__name__} given as {what}: give modules, ShardedVariables, parameters, "
@@ -128,14 +133,17 @@ def _items(params: Any, what: str) -> list[Any]:
     return list(params)
 
 
-def find_tables(params: Any) -> list[dict[str, Any]]:
+def find_tables(
+    params: Any, numbers: Iterator[int] | None = None, existing: Iterable[Table] = ()
+) -> list[dict[str, Any]]:
     """Param groups of tables: ``[{"tables": [Table, ...], **options}, ...]``, names unique.
 
     Every form ``torch.optim`` takes works: modules, parameters (or any iterable of them),
     ``(name, table)`` pairs (``named_parameters()``), and param-group dicts with their own options.
-    A table given without a name is named ``#<i>``, ``i`` counting the items given, across groups.
+    A table given without a name is named ``#<i>``, ``i`` counting the items given, across groups
+    (from ``numbers``, default 0 on); names and parameters must also differ from ``existing`` tables'.
     """
-    groups, loose, count = [], [], itertools.count()
+    groups, loose, count = [], [], numbers if numbers is not None else itertools.count()
     for i, item in enumerate(_items(params, "params")):
         if isinstance(item, dict):
             if "params" not in item:
@@ -149,15 +157,14 @@ def find_tables(params: Any) -> list[dict[str, Any]]:
         groups.insert(0, {"tables": loose})
     seen: dict[str, Table] = {}
     owner: dict[int, str] = {}
-    for group in groups:
-        for t in group["tables"]:
-            if t.name in seen:
-                raise ShardvarValueError(f"two tables are named {t.name!r}; name them with (name, table) pairs")
-            for p in t.params:
-                if id(p) in owner:
-                    raise ShardvarValueError(f"table {t.name!r} shares a parameter with {owner[id(p)]!r}")
-                owner[id(p)] = t.name
-            seen[t.name] = t
+    for t in [*existing, *(t for group in groups for t in group["tables"])]:
+        if t.name in seen:
+            raise ShardvarValueError(f"two tables are named {t.name!r}; name them with (name, table) pairs")
+        for p in t.params:
+            if id(p) in owner:
+                raise ShardvarValueError(f"table {t.name!r} shares a parameter with {owner[id(p)]!r}")
+            owner[id(p)] = t.name
+        seen[t.name] = t
     if not seen:
         raise ShardvarValueError(f"the optimizer got no tables to update from params={params!r:.80}")
     return groups

@@ -282,9 +282,11 @@ def _check_bag(
         raise ShardvarValueError(
             f"input must be 2-D, or 1-D with offsets; got shape {list(ids.shape)} and offsets={offsets}"
         )
-    offsets = as_ids(offsets)  # checked where they are (a meta table's ids are meta), then moved
-    if offsets.dim() != 1 or offsets.numel() == 0:
-        raise _not_from_zero(offsets)
+    offsets = as_ids(offsets, what="offsets")  # checked where they are (a meta table's ids are meta), then moved
+    if offsets.dim() != 1 or (offsets.numel() == 0 and (ids.numel() or include_last_offset)):
+        raise _not_from_zero(offsets, ids)  # no bag for the ids: torch would drop them without a word
+    if offsets.numel() == 0:  # no id and no bag: an empty batch, as torch reads it
+        return offsets if offsets.device == ids.device else offsets.to(ids.device)
     # The order is checked first on every device: not every torch kernel refuses decreasing
     # offsets (CPU max bags, padded sum bags read them as sorted).
     ordered = not bool(torch.lt(offsets[1:], offsets[:-1]).any())
@@ -293,15 +295,16 @@ def _check_bag(
     return offsets if offsets.device == ids.device else offsets.to(ids.device)
 
 
-def _not_from_zero(offsets: torch.Tensor) -> ShardvarValueError:
-    return ShardvarValueError(f"offsets must be 1-D, non-empty and start at 0; got {offsets.tolist()[:8]}")
+def _not_from_zero(offsets: torch.Tensor, ids: torch.Tensor) -> ShardvarValueError:
+    got = f"{offsets.tolist()[:8]} for {ids.numel()} ids"
+    return ShardvarValueError(f"offsets must be 1-D, non-empty and start at 0; got {got}")
 
 
 def _check_ends(ids: torch.Tensor, offsets: torch.Tensor, include_last_offset: bool, ordered: bool) -> None:
     ends = offsets[:: max(offsets.numel() - 1, 1)].tolist()  # the first and last offset, read at once
     first, last = ends[0], ends[-1]
     if first != 0:
-        raise _not_from_zero(offsets)
+        raise _not_from_zero(offsets, ids)
     if last > ids.numel() or not ordered:
         raise ShardvarValueError(
             f"offsets must be non-decreasing and at most len(input)={ids.numel()}; got {offsets.tolist()[:8]}"
