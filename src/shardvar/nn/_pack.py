@@ -88,42 +88,52 @@ def _at_once(
     return out
 
 
-def _joined(checked: list[_Feature]) -> tuple[torch.Tensor, bool]:
-    """The features' offsets end to end, each shifted by the ids before it, and whether each feature's
-    are from 0, non-decreasing and at most its ids. Joined, that is: the whole is non-decreasing,
-    each feature's first is the count of ids before it, and the last is at most all the ids."""
+def _joined(checked: list[_Feature]) -> torch.Tensor:
+    """The features' offsets end to end, each shifted by the ids before it."""
     offs = [c.offsets for c in checked]
     before = list(itertools.accumulate((c.ids.numel() for c in checked), initial=0))
     counts = [o.numel() for o in offs]
     joined = torch.cat(offs)  # a new tensor, even of one
-    firsts = list(itertools.accumulate(counts, initial=0))
     if len(set(counts)) == 1:  # bags of as many ids each: the shifts at once, a broadcast add
         joined.view(len(offs), -1).add_(torch.tensor(before[:-1], device=joined.device)[:, None])
     else:
+        firsts = list(itertools.accumulate(counts, initial=0))
         for lo, hi, shift in zip(firsts[1:], firsts[2:], before[1:]):  # noqa: B905 (one more first)
             joined[lo:hi] += shift
-    probe = joined[[*firsts[:-1], -1]].tolist()  # every first and the last, read at once
+    return joined
+
+
+def _valid(checked: list[_Feature]) -> bool:
+    """Whether each feature's offsets are from 0, non-decreasing and at most its ids, found at once: as
+    rows of one matrix where all have as many bags, else joined (then the whole is non-decreasing,
+    each feature's first is the count of ids before it, and the last is at most all the ids)."""
+    offs = [c.offsets for c in checked]
+    sizes = [c.ids.numel() for c in checked]
+    if len({o.numel() for o in offs}) == 1:
+        rows = torch.stack(offs) if len(offs) > 1 else offs[0][None]
+        ends = rows[:, [0, -1]].tolist()  # every first and last, read at once
+        valid = all(first == 0 and last <= n for (first, last), n in zip(ends, sizes, strict=True))
+        # A descent anywhere: min of the differences (arithmetic and a reduction beat a comparison's bools).
+        return valid and (rows.shape[1] < 2 or int(torch.diff(rows, dim=1).min()) >= 0)
+    joined, before = _joined(checked), list(itertools.accumulate(sizes, initial=0))
+    probe = joined[[*itertools.accumulate((o.numel() for o in offs[:-1]), initial=0), -1]].tolist()
     valid = probe[:-1] == before[:-1] and probe[-1] <= before[-1]
-    # A descent anywhere: min of the differences (arithmetic and a reduction beat a comparison's bools).
-    return joined, valid and (joined.numel() < 2 or int(torch.diff(joined).min()) >= 0)
+    return valid and (joined.numel() < 2 or int(torch.diff(joined).min()) >= 0)
 
 
 def checked_features(
     present: list[str], num_rows: list[int], dtype: torch.dtype, inputs: tuple, lazy: list[bool] | None = None
-) -> tuple[list[_Feature], torch.Tensor]:
-    """Every feature checked (ids in their table's rows, offsets, weights) and the joined offsets; the
-    ids of ``lazy`` features on the CPU are left to the caller's op, which must refuse a bad one
-    (:func:`refused`), and nothing read before it."""
+) -> list[_Feature]:
+    """Every feature checked (ids in their table's rows, offsets, weights), the first fault raising its
+    error; the ids of ``lazy`` features on the CPU are left to the caller, who must refuse a bad
+    one (:func:`refused`) before anything reads it."""
     try:
         checked = _at_once(present, num_rows, dtype, inputs, lazy or [False] * len(present))
-        if checked is not None:
-            joined, valid = _joined(checked)
-            if valid:
-                return checked, joined
+        if checked is not None and _valid(checked):
+            return checked
     except ShardvarError:
         pass  # a fault: which one, and in what order, is the features' own checks' to say
-    checked = _one_by_one(present, num_rows, dtype, inputs)  # raises the first fault
-    return checked, _joined(checked)[0]
+    return _one_by_one(present, num_rows, dtype, inputs)  # raises the first fault
 
 
 def refused(present: list[str], num_rows: list[int], dtype: torch.dtype, inputs: tuple) -> None:
@@ -173,7 +183,7 @@ def pack(
     """
     tables = [table_of[f] for f in present]
     num_rows = [layouts[t].num_rows for t in tables]
-    checked, joined = checked_features(present, num_rows, dtype, (features, offsets, weights))
+    checked = checked_features(present, num_rows, dtype, (features, offsets, weights))
     device = checked[0].ids.device
     bounds = list(itertools.accumulate((c.ids.numel() for c in checked), initial=0))
     rows = buffer(recycler, "rows", bounds[-1], index, device)
@@ -191,4 +201,4 @@ def pack(
     psw = None
     if any(c.weights is not None for c in checked):  # weight 1 is exactly an unweighted sum: the others keep theirs
         psw = torch.cat([c.weights if c.weights is not None else torch.ones_like(c.ids, dtype=dtype) for c in checked])
-    return rows, joined.to(index), psw, [c.offsets.numel() for c in checked]
+    return rows, _joined(checked).to(index), psw, [c.offsets.numel() for c in checked]

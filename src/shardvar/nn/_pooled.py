@@ -92,7 +92,7 @@ def sparse_pooled(
     checked first."""
     num_rows = [tables[table_of[f]].layout.num_rows for f in present]
     cpu = store.full_slab.is_cpu and not torch.compiler.is_compiling()
-    checked, _ = checked_features(present, num_rows, store.dtype, inputs, [cpu] * len(present))
+    checked = checked_features(present, num_rows, store.dtype, inputs, [cpu] * len(present))
     by_table = _by_table(present, table_of)
     parts, rows, offsets, scale = [], [], [], []
     for t, at in by_table:
