@@ -132,6 +132,15 @@ class _SparseBags(torch.autograd.Function):
     bags, a tuple. The weight's gradient goes to ``params`` (the tensors whose memory the weight is):
     ``split(gradient)`` gives theirs, in order (None: ``params`` is the weight itself)."""
 
+    @classmethod
+    def apply(cls, *args: Any) -> Any:  # type: ignore[override]
+        # torch's ``apply`` binds the arguments to ``forward``'s signature (``inspect``, every call) to
+        # fill in defaults; ``forward`` has none, so where no torch.func transform is active (which
+        # needs that path) the call goes straight to autograd: a forward's worth of overhead saved.
+        if torch._C._are_functorch_transforms_active():
+            return super().apply(*args)
+        return super(torch.autograd.Function, cls).apply(*torch._functorch.utils.unwrap_dead_wrappers(args))
+
     @staticmethod
     def forward(weight: torch.Tensor, mode: str, parts: Any, split: Any, *tensors: torch.Tensor | None) -> tuple:
         # The kernel without what its own backward keeps (each id's bag: a per-id array and a pass);

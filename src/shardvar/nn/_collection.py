@@ -261,12 +261,12 @@ def _lookup_group(
     if store is None or store.full_slab is None:  # a table apart, or its shards moved: table by table
         return {f: x for n in names for f, x in _lookup_table(tables[n], n, present, table_of, inputs).items()}
     starts = dict(zip(names, _starts(tables, names), strict=True))
-    layouts = {n: tables[n].layout for n in names}
     place = {n: i for i, n in enumerate(names)}  # each table's features together, tables in row order
     present = sorted(present, key=lambda f: place[table_of[f]])
     table = tables[names[0]]
-    if pooling(table) is not None and table.sparse and table.mode != "max":  # feature by feature, summed per row
+    if pooling(table) is not None and table.sparse and table.mode != "max":  # table by table, summed per row
         return sparse_pooled(tables, names, present, table_of, starts, store, inputs)
+    layouts = {n: tables[n].layout for n in names}
     narrow = store.full_slab.shape[0] <= torch.iinfo(torch.int32).max  # 32-bit rows: half the bytes to move and keep
     index = torch.int32 if narrow else torch.int64
     packed = pack(present, table_of, layouts, starts, store.dtype, *inputs, index=index, recycler=store.recycler)

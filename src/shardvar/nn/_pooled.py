@@ -66,14 +66,14 @@ def _moved(store: ShardStore, layouts: list[Any], ids: list[torch.Tensor], check
 
 def _params(store: ShardStore, tables: list[Any], parts: list[Part]) -> list[torch.Tensor]:
     """The shards the lookup's gradient reaches: none without autograd; where a fused optimizer takes
-    every present table's rows (their sinks), the first shard of each of the group's ``tables``,
-    whose hook marks the table updated in this backward (no gradient is left for any shard); else
-    all of them."""
+    every present table's rows (their sinks), the first shard of each of the group's ``tables``
+    (the group's shards are theirs in order), whose hook marks the table updated in this backward
+    (no gradient is left for any shard); else all of them."""
     shards = list(store.local_shards().values())
     if not (torch.is_grad_enabled() and any(p.requires_grad for p in shards)):
         return []
     if all(p.sink is not None for p in parts):
-        firsts = [next(iter(t.store.local_shards().values())) for t in tables]
+        firsts = [shards[k] for k in itertools.accumulate((t.layout.num_shards for t in tables[:-1]), initial=0)]
         if any(p.requires_grad for p in firsts):
             return firsts
     return shards
