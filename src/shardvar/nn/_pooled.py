@@ -7,9 +7,8 @@ so the forward's work is the kernels and the checks. On the CPU the kernel refus
 the rows it is given before it writes anything, so a table whose ids are its rows (one shard, or
 div shards) leaves its ids to the kernel (as ``embedding_bag`` over a whole slab does): a pass
 over every id saved, and a bad id then gets the error the checks give it. The ids of the other
-tables (mod tables of several shards) are moved to their storage rows a run of tables of one
-layout at a time, into one buffer kept between calls, and checked there with one range check
-per run, before any kernel reads them.
+tables (mod tables of several shards) are range-checked and moved to their storage rows (three
+passes each) in one buffer kept between calls, before any kernel reads them.
 """
 
 from __future__ import annotations
