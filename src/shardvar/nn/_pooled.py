@@ -7,8 +7,8 @@ so the forward's work is the kernels and the checks. On the CPU the kernel refus
 the rows it is given before it writes anything, so a table whose ids are its rows (one shard, or
 div shards) leaves its ids to the kernel (as ``embedding_bag`` over a whole slab does): a pass
 over every id saved, and a bad id then gets the error the checks give it. The ids of the other
-tables (mod tables of several shards) are range-checked and moved to their storage rows (three
-passes each) in one buffer kept between calls, before any kernel reads them.
+tables (mod tables of several shards) are range-checked and moved to their storage rows (a copy
+to 32 bits and three passes each) in one buffer kept between calls, before any kernel reads them.
 """
 
 from __future__ import annotations
@@ -49,18 +49,28 @@ def _joined(ids: list[torch.Tensor], offsets: list[torch.Tensor], weights: list[
 def _moved(store: ShardStore, layouts: list[Any], ids: list[torch.Tensor], check: bool, fault: Any) -> list:
     """Storage rows of each table's ``ids`` (its ``layout``'s), checked first where ``check`` (``fault()``
     raises the error of a bad one), in pieces of one buffer kept by the store's recycler on the CPU
-    (no fresh pages to fault in per call)."""
+    (no fresh pages to fault in per call): 32-bit where the rows fit, each table's ids copied in
+    once and moved there in place (half the bytes of every pass; the scratch is one table's)."""
     if not ids:
         return []
     sizes = [x.numel() for x in ids]
-    rows = buffer(store.recycler, "table rows", sum(sizes), torch.int64, ids[0].device).split(sizes)
+    narrow = max(x.num_rows for x in layouts) <= torch.iinfo(torch.int32).max
+    index = torch.int32 if narrow else torch.int64
+    rows = buffer(store.recycler, "table rows", sum(sizes), index, ids[0].device).split(sizes)
+    scratch = buffer(store.recycler, "table scratch", max(sizes), index, ids[0].device) if narrow else None
     for layout, x in zip(layouts, ids, strict=True):
         if check and x.numel():
             low, high = (int(v) for v in torch.aminmax(x))
             if low < 0 or high >= layout.num_rows:
                 fault()  # names the first bad id, in the order of the features' checks
                 check_ids(x, layout.num_rows)
-    return [layout.strategy.storage_rows_into(layout.sizes, x, out) for layout, x, out in zip(layouts, ids, rows)]  # noqa: B905
+    if not narrow:
+        return [layout.strategy.storage_rows_into(layout.sizes, x, out) for layout, x, out in zip(layouts, ids, rows)]  # noqa: B905
+    moved = []
+    for layout, x, out in zip(layouts, ids, rows, strict=True):
+        out.copy_(x)  # checked: in the table's rows, which fit
+        moved.append(layout.strategy.storage_rows_into(layout.sizes, out, out, scratch[: out.numel()]))
+    return moved
 
 
 def _params(store: ShardStore, tables: list[Any], parts: list[Part]) -> list[torch.Tensor]:
@@ -105,7 +115,7 @@ def sparse_pooled(
     away = [k for k, x in enumerate(layouts) if not (x.contiguous or x.num_shards == 1)]  # rows not the ids
     fault = functools.partial(refused, present, num_rows, store.dtype, inputs)
     for k, moved in zip(away, _moved(store, [layouts[k] for k in away], [rows[k] for k in away], cpu, fault)):  # noqa: B905
-        rows[k] = moved
+        rows[k], offsets[k] = moved, offsets[k].to(moved.dtype)  # the kernel's ids and offsets: one dtype
     shards = _params(store, [tables[n] for n in names], parts)
     try:
         mode = tables[table_of[present[0]]].mode
