@@ -59,6 +59,19 @@ def test_shard_progressions_describe_shard_ids(layout: Layout) -> None:
         assert torch.equal(layout.shard_ids(s), start + step * torch.arange(count))
 
 
+@given(layouts(), st.sampled_from([torch.int32, torch.int64]))
+def test_storage_rows_written_in_place_or_into_a_buffer_equal_storage_rows(layout: Layout, dtype) -> None:
+    ids = torch.randperm(layout.num_rows)  # every row, in some order
+    want = layout.strategy.storage_rows(layout.sizes, ids)
+    out = torch.full_like(ids, -7)  # into another buffer (int64: the no-scratch arithmetic where it applies)
+    got = layout.strategy.storage_rows_into(layout.sizes, ids, out, torch.empty_like(ids))
+    assert torch.equal(got, want) and got.data_ptr() == out.data_ptr()
+    assert torch.equal(layout.strategy.storage_rows_into(layout.sizes, ids, torch.empty_like(ids)), want)  # no scratch
+    rows = ids.to(dtype)  # in place, 32 bits where they fit
+    got = layout.strategy.storage_rows_into(layout.sizes, rows, rows, torch.empty_like(rows))
+    assert got.dtype == dtype and torch.equal(got.long(), want) and got.data_ptr() == rows.data_ptr()
+
+
 @given(layouts())
 def test_storage_rows_index_the_concatenated_shards(layout: Layout) -> None:
     stored = torch.cat([layout.shard_ids(s) for s in range(layout.num_shards)])

@@ -94,6 +94,15 @@ class Strategy(str):
         _, starts = _ends_and_starts(sizes, ids.device)
         return starts[shard] + row
 
+    def storage_rows_into(
+        self, sizes: tuple[int, ...], ids: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """:meth:`storage_rows` of valid ``ids`` written into ``out`` (which may be ``ids``), allocating
+        nothing where ``scratch`` (to work in) is given: a buffer used again costs no fresh pages.
+        ``out`` and ``scratch`` are like ``ids``, of its dtype or, where ``out is ids``, any integer
+        dtype that holds every row (int32 halves the bytes of each pass)."""
+        return out.copy_(self.storage_rows(sizes, ids))
+
     def split(self, tensor: torch.Tensor, sizes: tuple[int, ...], axis: int) -> list[torch.Tensor]:
         """Each shard's part of ``tensor`` along ``axis``, as views (no copy)."""
         parts = []
@@ -155,6 +164,11 @@ class DivStrategy(Strategy):
     def storage_rows(self, sizes: tuple[int, ...], ids: torch.Tensor) -> torch.Tensor:
         return ids  # contiguous shards in order are the logical rows themselves
 
+    def storage_rows_into(
+        self, sizes: tuple[int, ...], ids: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return out if out is ids else out.copy_(ids)
+
     def split(self, tensor: torch.Tensor, sizes: tuple[int, ...], axis: int) -> list[torch.Tensor]:
         return [tensor.narrow(axis, start, size) for start, size in zip(starts_of(sizes), sizes, strict=True)]
 
@@ -201,6 +215,29 @@ class ModStrategy(Strategy):
             shard, out = ids.remainder(n), ids.div(n, rounding_mode="floor")
         out.add_(shard, alpha=q)  # in place: each pass over the ids costs as much as the lookup's own
         return out.add_(shard.clamp(max=r)) if r else out  # clamp_ has no vmap batching rule
+
+    def storage_rows_into(
+        self, sizes: tuple[int, ...], ids: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        n = len(sizes)
+        if n == 1:
+            return out if out is ids else out.copy_(ids)
+        q, r = divmod(sum(sizes), n)
+        if not r and out is not ids and out.dtype == torch.int64:
+            # Id j*n + s is row s*q + j = q*id - (n*q - 1)*j: three passes, no scratch (int64 holds q*id).
+            if n & (n - 1) == 0:
+                torch.bitwise_right_shift(ids, n.bit_length() - 1, out=out)
+            else:
+                torch.div(ids, n, rounding_mode="floor", out=out)
+            return out.mul_(1 - n * q).add_(ids, alpha=q)
+        if n & (n - 1) == 0:
+            shard = torch.bitwise_and(ids, n - 1, out=scratch)
+            torch.bitwise_right_shift(ids, n.bit_length() - 1, out=out)
+        else:
+            shard = torch.remainder(ids, n, out=scratch)
+            torch.div(ids, n, rounding_mode="floor", out=out)
+        out.add_(shard, alpha=q)
+        return out.add_(shard.clamp_(max=r)) if r else out
 
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (DivStrategy(), ModStrategy())}

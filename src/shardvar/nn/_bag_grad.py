@@ -8,9 +8,11 @@ the bag's length for mean bags). That product is itself a pooled lookup: once th
 the ids of each distinct row are a "bag" of bag numbers, and ``F.embedding_bag`` over the bags'
 gradient sums them (FBGEMM's kernel, as its CPU backward does). The work is a radix sort of each
 table's ids and one pass over them, never a per-id copy of the gradient, and the result is
-coalesced. A collection's tables are done one at a time (its ids are packed table by table), so
-the sort's arrays are one table's, and a fused optimizer's rows are summed and updated a slice
-at a time: the step's peak holds the batch's rows and the bags' gradient, little else.
+coalesced. A collection's tables are looked up one kernel each, over their rows of the group's
+allocation (a table's ids neither shifted nor joined with others': the work of a forward is its
+kernels), and their gradient is found table by table, so the sort's arrays are one table's, and a fused
+optimizer's rows are summed and updated a slice at a time: the step's peak holds the batch's
+rows and the bags' gradient, little else.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 
 from ..variables._distinct import segments, sparse_rows
 
-__all__ = ["Part", "sparse_bag"]
+__all__ = ["Part", "sparse_bag", "sparse_bags"]
 
 
 def _bag_of(offsets: torch.Tensor, first_bag: int, first_id: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,13 +39,10 @@ def _bag_of(offsets: torch.Tensor, first_bag: int, first_id: int, stop: int) -> 
 
 
 class Part(NamedTuple):
-    """One table's share of a lookup of several: its bags ``[bags_lo, bags_hi)`` (their ids are one range
-    of the input), the rows ``[start, stop)`` of the weight it owns, and the sink its gradient goes to
-    in backward, ``sink(rows - start, gradient rows)`` (a fused optimizer's update; None: the weight's
-    ``.grad``)."""
+    """One table's share of a lookup of several: the rows ``[start, stop)`` of the weight it owns, and the
+    sink its gradient goes to in backward, ``sink(table rows, gradient rows)`` (a fused optimizer's
+    update; None: the weight's ``.grad``)."""
 
-    bags_lo: int
-    bags_hi: int
     start: int
     stop: int
     sink: Callable[[torch.Tensor, torch.Tensor], None] | None = None
@@ -55,36 +54,29 @@ MODES = {"sum": 0, "mean": 1}  # the kernel's codes
 # (and in cache), whatever the batch; one call of a few kernels per 4096 rows of 64 floats.
 SINK_BYTES = 1 << 20
 
+Lists = Sequence[torch.Tensor | None]
 
-def row_gradient(
-    rows: torch.Tensor,
-    offsets: torch.Tensor,
-    scale: torch.Tensor | None,
-    mode: str,
-    grad: torch.Tensor,
-    shape: tuple[int, int],
-    parts: Sequence[Part] = (),
-) -> torch.Tensor | None:
+
+def row_gradient(parts: Sequence[Part], rows: Lists, offsets: Lists, scale: Lists, grads: Lists, mode: str,
+                 shape: tuple[int, int]) -> torch.Tensor | None:  # fmt: skip
     """The coalesced sparse gradient of the weight: for each distinct row, the sum over the bags holding it.
 
-    Part by part (default: one of everything), in the order given (ascending rows): one part's ids
-    are sorted at a time, and a sink's rows are summed and handed to it a slice at a time
-    (:data:`SINK_BYTES`), so neither all tables' nor one table's summed rows ever exist at once.
-    None when the sinks took every row.
+    Part by part (each with its ids, offsets, weights and bags' gradient), in the order given
+    (ascending rows): one table's ids are sorted at a time, and a
+    sink's rows are summed and handed to it a slice at a time (:data:`SINK_BYTES`), so neither all
+    tables' nor one table's summed rows ever exist at once. None when the sinks took every row.
     """
-    parts = parts or [Part(0, offsets.numel(), 0, shape[0])]
-    ends = torch.cat([offsets, offsets.new_tensor([rows.numel()])])  # bag b's ids: [ends[b], ends[b + 1])
-    bounds = ends[[i for p in parts for i in (p.bags_lo, p.bags_hi)]].tolist()
     found = []
-    for part, lo, hi in zip(parts, bounds[::2], bounds[1::2], strict=True):
-        if hi <= lo and part.sink is not None:  # nothing to hand over
+    for part, ids, offs, weights, grad in zip(parts, rows, offsets, scale, grads, strict=True):
+        if ids.numel() == 0 and part.sink is not None:  # nothing to hand over
             continue
-        bags = offsets[part.bags_lo : part.bags_hi]
-        unique, starts, bag, weight = _part_rows(rows[lo:hi], bags, part.bags_lo, scale, lo, mode, grad, shape[0])
+        grad = grad.contiguous()
+        unique, starts, bag, weight = _part_rows(ids, offs, weights, mode, grad, part.stop - part.start)
         if part.sink is None:
-            found.append((unique, F.embedding_bag(bag, grad, starts, mode="sum", per_sample_weights=weight)))
+            summed = F.embedding_bag(bag, grad, starts, mode="sum", per_sample_weights=weight)
+            found.append((unique.to(torch.int64).add_(part.start), summed))
         else:
-            _to_sink(part, unique, starts, bag, weight, grad)
+            _to_sink(part.sink, unique, starts, bag, weight, grad)
     if not found:  # the sinks took every row
         return None
     unique = torch.cat([u for u, _ in found]) if len(found) != 1 else found[0][0]
@@ -93,7 +85,7 @@ def row_gradient(
 
 
 def _to_sink(
-    part: Part,
+    sink: Callable[[torch.Tensor, torch.Tensor], None],
     unique: torch.Tensor,
     starts: torch.Tensor,
     bag: torch.Tensor,
@@ -109,25 +101,23 @@ def _to_sink(
             bag[lo:hi], grad, starts[first : first + step] - lo, mode="sum",
             per_sample_weights=None if weight is None else weight[lo:hi],
         )  # fmt: skip
-        part.sink(unique[first : first + step].to(torch.int64).sub_(part.start), summed)
+        sink(unique[first : first + step].to(torch.int64), summed)
 
 
 def _part_rows(
     rows: torch.Tensor,
     offsets: torch.Tensor,
-    first_bag: int,
     scale: torch.Tensor | None,
-    first_id: int,
     mode: str,
     grad: torch.Tensor,
     bound: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One part's ids ``rows`` (ids ``first_id`` on of the input, in ``[0, bound)``) as bags of bag numbers:
-    (distinct rows, where each one's ids start, each sorted id's bag, its weight or None). Pooling the
-    bags' gradient over them gives each distinct row's gradient."""
+    """One part's ids ``rows`` (in ``[0, bound)``) as bags of bag numbers: (distinct rows, where each
+    one's ids start, each sorted id's bag, its weight or None). Pooling the bags' gradient over them
+    gives each distinct row's gradient."""
     n = rows.numel()
-    bag, lengths = _bag_of(offsets, first_bag, first_id, first_id + n)
-    weight = None if scale is None else scale[first_id : first_id + n]
+    bag, lengths = _bag_of(offsets, 0, 0, n)
+    weight = scale
     if mode == "mean":
         share = lengths.clamp(min=1).to(grad.dtype).reciprocal_().repeat_interleave(lengths, output_size=n)
         weight = share if weight is None else share.mul_(weight)
@@ -137,49 +127,85 @@ def _part_rows(
     return unique, starts.to(bag.dtype), bag, weight  # the kernel takes offsets of its ids' dtype
 
 
-class _SparseBag(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, psw: Any, mode: str, parts: Any
-    ) -> torch.Tensor:
-        # The kernel without what its own backward keeps (each id's bag: a per-id array and a pass);
-        # ``F.embedding_bag`` would take that path, the weight requiring grad. (Its ``.out`` form
-        # computes into a fresh tensor and copies: no help.)
-        return torch.ops.aten._embedding_bag_forward_only(
-            weight, rows, offsets, False, MODES[mode], False, psw, False, -1
-        )[0]
+class _SparseBags(torch.autograd.Function):
+    """``apply(weight, mode, parts, split, *rows, *offsets, *per_sample_weights, *params)``: each part's
+    bags, a tuple. The weight's gradient goes to ``params`` (the tensors whose memory the weight is):
+    ``split(gradient)`` gives theirs, in order (None: ``params`` is the weight itself)."""
+
+    @classmethod
+    def apply(cls, *args: Any) -> Any:  # type: ignore[override]
+        # torch's ``apply`` binds the arguments to ``forward``'s signature (``inspect``, every call) to
+        # fill in defaults; ``forward`` has none, so where no torch.func transform is active (which
+        # needs that path) the call goes straight to autograd: a forward's worth of overhead saved.
+        if torch._C._are_functorch_transforms_active():
+            return super().apply(*args)
+        return super(torch.autograd.Function, cls).apply(*torch._functorch.utils.unwrap_dead_wrappers(args))
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        rows, weight, offsets, psw, mode, parts = inputs
-        ctx.save_for_backward(rows, offsets, psw, weight if ctx.needs_input_grad[3] else None)
-        ctx.mode, ctx.shape, ctx.parts = mode, tuple(weight.shape), parts
+    def forward(weight: torch.Tensor, mode: str, parts: Any, split: Any, *tensors: torch.Tensor | None) -> tuple:
+        # The kernel without what its own backward keeps (each id's bag: a per-id array and a pass);
+        # ``F.embedding_bag`` would take that path, the weight requiring grad. (Its ``.out`` form
+        # computes into a fresh tensor and copies: no help.) Each part reads its table's rows.
+        # (The op's Python binding: ``torch.ops.aten``'s call costs a few microseconds more per table.)
+        n, code, lookup = len(parts), MODES[mode], torch._embedding_bag_forward_only
+        rows, offsets, scale = tensors[:n], tensors[n : 2 * n], tensors[2 * n :]
+        return tuple(
+            lookup(weight[p.start : p.stop], rows[i], offsets[i], False, code, False, scale[i], False, -1)[0]
+            for i, p in enumerate(parts)
+        )
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        weight, mode, parts, split, *tensors = inputs
+        n = len(parts)
+        ctx.learned = [ctx.needs_input_grad[4 + 2 * n + i] for i in range(n)]  # per-sample weights with a grad
+        ctx.params = len(tensors) - 3 * n
+        ctx.wanted = any(ctx.needs_input_grad[4 + 3 * n :])
+        ctx.save_for_backward(*tensors[: 3 * n], weight if any(ctx.learned) else None)
+        ctx.mode, ctx.shape, ctx.parts, ctx.split = mode, tuple(weight.shape), parts, split
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        rows, offsets, psw, weight = ctx.saved_tensors
-        grad = grad.contiguous()
-        psw_grad = None
-        if ctx.needs_input_grad[3]:  # learned per-sample weights (before any sink changes the rows they read)
-            bag, _ = _bag_of(offsets, 0, 0, rows.numel())
-            psw_grad = (grad.index_select(0, bag) * weight.index_select(0, rows)).sum(1)
-        weight_grad = None
-        if ctx.needs_input_grad[1]:
-            weight_grad = row_gradient(rows, offsets, psw, ctx.mode, grad, ctx.shape, ctx.parts)
-        return None, weight_grad, None, psw_grad, None, None
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        *tensors, weight = ctx.saved_tensors
+        n = len(ctx.parts)
+        rows, offsets, scale = tensors[:n], tensors[n : 2 * n], tensors[2 * n :]
+        learned: list[torch.Tensor | None] = [None] * n
+        for i, part in enumerate(ctx.parts):  # learned per-sample weights (before any sink changes their rows)
+            if ctx.learned[i]:
+                bag, _ = _bag_of(offsets[i], 0, 0, rows[i].numel())
+                table = weight[part.start : part.stop]
+                learned[i] = (grads[i].index_select(0, bag) * table.index_select(0, rows[i])).sum(1)
+        params: tuple = (None,) * ctx.params
+        if ctx.wanted:
+            grad = row_gradient(ctx.parts, rows, offsets, scale, grads, ctx.mode, ctx.shape)
+            if grad is not None:  # None: the sinks took every row, as they take an unsharded table's
+                params = (grad,) if ctx.split is None else tuple(ctx.split(grad))
+        return None, None, None, None, *([None] * (2 * n)), *learned, *params
+
+
+def sparse_bags(
+    weight: torch.Tensor,
+    mode: str,
+    parts: Sequence[Part],
+    inputs: tuple[Lists, Lists, Lists],
+    params: Sequence[torch.Tensor] | None = None,
+    split: Callable[[torch.Tensor], Sequence[torch.Tensor | None]] | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """For each part (table) ``i``, ``F.embedding_bag(rows[i], weight[start:stop], offsets[i], mode,
+    sparse=True, per_sample_weights=scale[i])`` (sum or mean) of ``inputs = (rows, offsets, scale)``,
+    with the weight's gradient summed per distinct row (see the module's docstring); the rows of
+    ``parts`` (ascending, disjoint) with a sink go to it in backward, not to the gradient. ``rows``
+    are rows of the part's table, valid (the CPU kernel refuses others; elsewhere they must be
+    checked). The gradient goes to ``weight``, or, where the weight is the memory of ``params``, to
+    them: ``split(gradient)`` gives each one's (one Function, not a view of them and a lookup)."""
+    params = (weight,) if params is None else tuple(params)
+    return _SparseBags.apply(weight, mode, tuple(parts), split, *inputs[0], *inputs[1], *inputs[2], *params)
 
 
 def sparse_bag(
-    rows: torch.Tensor,
-    weight: torch.Tensor,
-    offsets: torch.Tensor,
-    mode: str,
-    psw: torch.Tensor | None,
-    parts: Sequence[Part] = (),
+    rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, mode: str, psw: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``F.embedding_bag(rows, weight, offsets, mode, sparse=True, per_sample_weights=psw)`` (sum or mean)
-    with the weight's gradient summed per distinct row (see the module's docstring); the rows of
-    ``parts`` (each table's bags, ascending, disjoint rows; default: one) with a sink go to it in
-    backward, not to the weight's gradient."""
-    return _SparseBag.apply(rows, weight, offsets, psw, mode, tuple(parts))
+    """One feature of :func:`sparse_bags` over the whole weight:
+    ``F.embedding_bag(rows, weight, offsets, mode, sparse=True, per_sample_weights=psw)``."""
+    return sparse_bags(weight, mode, [Part(0, weight.shape[0])], ([rows], [offsets], [psw]))[0]

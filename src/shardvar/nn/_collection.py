@@ -5,8 +5,11 @@ Each table is a ``ShardedEmbeddingBag`` (so its state dict, checkpoints, optimiz
 moved into one allocation, back to back (``Tensor.set_``: the Parameters keep their identity).
 A forward then shifts each table's ids to its rows in that allocation and runs one
 ``F.embedding_bag`` over it for every table of the group: the table-batched lookup that makes
-26 tables cost one kernel, not 26. If a table's shards move later (``.to(...)``), the group is
-looked up table by table.
+26 tables cost one kernel, not 26. A sparse sum or mean group (the training path whose backward
+sums each row's gradient, :mod:`._bag_grad`) instead gives each table's ids and offsets as they
+are to a kernel over the table's rows of the allocation (:mod:`._pooled`): shifting and packing
+every feature's ids cost more than the kernels they save. If a table's shards move later
+(``.to(...)``), the group is looked up table by table.
 """
 
 from __future__ import annotations
@@ -20,40 +23,21 @@ from torch import nn
 
 from .._errors import ShardvarError, ShardvarTypeError, ShardvarValueError
 from .._pages import empty
-from .._recycle import Recycler
-from ..layout import Layout, as_ids, check_ids
+from ..layout import Layout, as_ids
 from ..variables import ShardedVariable
-from ..variables._functional import _check_bag, _check_weights, slab_weight
+from ..variables._functional import slab_weight
 from ..variables._memory import as_slab
-from ._bag_grad import Part, sparse_bag
 from ._collection_build import TableConfig, build_tables, check_tables, feature_map
 from ._embedding import ShardedEmbedding, ShardedEmbeddingBag
 from ._jagged import KeyedJagged, jagged_split
+from ._pack import feature_bags, pack
+from ._pooled import sparse_pooled
 
-__all__ = ["EmbeddingBagCollection", "TableConfig", "KeyedJagged"]
+__all__ = ["EmbeddingBagCollection", "TableConfig", "KeyedJagged", "pack"]
 
 Table = ShardedEmbedding | ShardedEmbeddingBag  # a pooled collection's tables are bags, a sequence one's not
 
 
-def feature_bags(
-    f: str, inputs: tuple[dict, dict, dict], num_rows: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Feature ``f``'s 1-D ids, offsets and weights, or the error naming the feature: the ids of its table's
-    ``num_rows``, offsets over them (a bad one would reach into another table's ids), weights by torch's
-    rule (the ids' shape, the table's ``dtype``: one rule whether its table is grouped or not)."""
-    features, offsets, weights = inputs
-    try:
-        ids = as_ids(features[f])
-        checked = _check_bag(ids, offsets.get(f), include_last_offset=False)
-        check_ids(ids, num_rows)
-        w = weights.get(f)
-        if w is not None:
-            w = _check_weights(w, ids, "sum", dtype).reshape(-1)
-    except ShardvarError as e:
-        raise type(e)(f"feature {f!r}: {e}") from None
-    if checked is None:  # [bags, ids per bag]
-        return ids.reshape(-1), torch.arange(ids.shape[0], device=ids.device) * ids.shape[1], w
-    return ids, checked, w
 
 
 class EmbeddingBagCollection(nn.Module):
@@ -254,21 +238,20 @@ def _lookup_group(
     if store is None or store.full_slab is None:  # a table apart, or its shards moved: table by table
         return {f: x for n in names for f, x in _lookup_table(tables[n], n, present, table_of, inputs).items()}
     starts = dict(zip(names, _starts(tables, names), strict=True))
-    layouts = {n: tables[n].layout for n in names}
     place = {n: i for i, n in enumerate(names)}  # each table's features together, tables in row order
     present = sorted(present, key=lambda f: place[table_of[f]])
+    table = tables[names[0]]
+    if pooling(table) is not None and table.sparse and table.mode != "max":  # table by table, summed per row
+        return sparse_pooled(tables, names, present, table_of, starts, store, inputs)
+    layouts = {n: tables[n].layout for n in names}
     narrow = store.full_slab.shape[0] <= torch.iinfo(torch.int32).max  # 32-bit rows: half the bytes to move and keep
     index = torch.int32 if narrow else torch.int64
     packed = pack(present, table_of, layouts, starts, store.dtype, *inputs, index=index, recycler=store.recycler)
     rows, offs, psw, counts = packed
-    table, weight = tables[names[0]], slab_weight(store)
+    weight = slab_weight(store)
     if pooling(table) is None:  # a sequence collection: every id's row, bag by bag
         return jagged_split(F.embedding(rows, weight, sparse=table.sparse), offs, counts, present)
-    if table.sparse and table.mode != "max":  # each distinct row's gradient, summed over its bags at once
-        parts = _parts(tables, present, table_of, starts, counts)
-        pooled = sparse_bag(rows, weight, offs, table.mode, psw, parts)
-    else:
-        pooled = F.embedding_bag(rows, weight, offs, mode=table.mode, sparse=table.sparse, per_sample_weights=psw)
+    pooled = F.embedding_bag(rows, weight, offs, mode=table.mode, sparse=table.sparse, per_sample_weights=psw)
     return dict(zip(present, pooled.split(counts), strict=True))
 
 
@@ -293,71 +276,6 @@ def _lookup_table(
     if not pooled:
         return jagged_split(table(ids), offs, counts, mine)
     return dict(zip(mine, table(ids, offs, per_sample_weights=psw).split(counts), strict=True))
-
-
-def pack(
-    present: list[str],
-    table_of: Mapping[str, str],
-    layouts: Mapping[str, Any],
-    starts: Mapping[str, int],
-    dtype: torch.dtype,
-    features: dict,
-    offsets: dict,
-    weights: dict,
-    index: torch.dtype = torch.int64,
-    recycler: Recycler | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int]]:
-    """Features' bags as one: (rows of the shared allocation, offsets, weights or None, bags per feature).
-
-    Feature ``f``'s id ``i`` is row ``starts[t] + storage_row(i)`` of its table ``t = table_of[f]``;
-    each feature's ids are checked against its table's rows (valid in the allocation is not
-    enough) and its offsets against its ids, all before any is packed. Inputs come checked by
-    :func:`split_inputs`; features without weights weigh 1 when others have them. Rows and offsets
-    are of dtype ``index`` (int32 halves a batch's rows where the allocation's rows fit it), each
-    feature's rows written in place into one tensor (no per-feature copy joined afterwards), in the
-    memory of the last call's rows where ``recycler`` is given and nothing holds them (CPU: no fresh
-    pages to fault in; the rows live as long as the call's backward anyway).
-    """
-    inputs = (features, offsets, weights)
-    checked = [(f, *feature_bags(f, inputs, layouts[table_of[f]].num_rows, dtype)) for f in present]
-    device = checked[0][1].device if checked else None
-    size = sum(ids.numel() for _, ids, _, _ in checked)
-    if recycler is not None and device is not None and device.type == "cpu":
-        rows = recycler.take("rows", (size,), index, device)
-    else:
-        rows = torch.empty(size, dtype=index, device=device)
-    weighted = any(w is not None for *_, w in checked)
-    offs, psw, counts, total = [], [], [], 0
-    for f, ids, off, w in checked:
-        layout, n = layouts[table_of[f]], ids.numel()
-        torch.add(layout.strategy.storage_rows(layout.sizes, ids), starts[table_of[f]], out=rows[total : total + n])
-        offs.append(off + total)
-        counts.append(off.numel())
-        total += n
-        if weighted:  # weight 1 is exactly an unweighted sum: the group's other features keep theirs
-            psw.append(w if w is not None else torch.ones(n, dtype=dtype, device=ids.device))
-    packed_offsets = torch.cat(offs).to(index) if offs else torch.empty(0, dtype=index, device=device)
-    return rows, packed_offsets, torch.cat(psw) if psw else None, counts
-
-
-def _parts(
-    tables: Mapping[str, Table],
-    present: list[str],
-    table_of: Mapping[str, str],
-    starts: Mapping[str, int],
-    counts: list[int],
-) -> list[Part]:
-    """Each table's bags (its features', together in ``present``) and rows, with its fused optimizer's sink."""
-    parts: list[Part] = []
-    bag = 0
-    for f, count in zip(present, counts, strict=True):
-        t = table_of[f]
-        if parts and parts[-1].start == starts[t]:  # the table's next feature
-            parts[-1] = parts[-1]._replace(bags_hi=bag + count)
-        else:
-            parts.append(Part(bag, bag + count, starts[t], starts[t] + tables[t].num_embeddings, tables[t].store.sink))
-        bag += count
-    return parts
 
 
 def _starts(tables: Mapping[str, Table], names: list[str]) -> list[int]:

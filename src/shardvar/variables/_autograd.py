@@ -21,7 +21,7 @@ from .._pages import empty
 from ..layout import group_positions
 from ._store import ShardStore
 
-__all__ = ["SlabView", "GatherRows", "gather_local"]
+__all__ = ["SlabView", "GatherRows", "gather_local", "shard_grads"]
 
 
 def _ordered(store: ShardStore, grads: dict[int, torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
@@ -49,11 +49,16 @@ class SlabView(torch.autograd.Function):
         store: ShardStore = ctx.store
         if grad is None:
             return (None,) * (1 + len(store.local_shards()))
-        if grad.layout == torch.sparse_coo:
-            grads = store.split_sparse_grad(0, grad._indices()[0], grad._values(), grad.is_coalesced())
-        else:
-            grads = store.split_grad(0, grad)
-        return (None, *_ordered(store, grads))
+        return (None, *shard_grads(store, grad))
+
+
+def shard_grads(store: ShardStore, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """Each local shard's part of the gradient of the store's full slab (dense or sparse), in shard order."""
+    if grad.layout == torch.sparse_coo:
+        grads = store.split_sparse_grad(0, grad._indices()[0], grad._values(), grad.is_coalesced())
+    else:
+        grads = store.split_grad(0, grad)
+    return _ordered(store, grads)
 
 
 def gather_local(store: ShardStore, ids: torch.Tensor, out_device: torch.device) -> torch.Tensor:
