@@ -38,8 +38,6 @@ __all__ = ["EmbeddingBagCollection", "TableConfig", "KeyedJagged", "pack"]
 Table = ShardedEmbedding | ShardedEmbeddingBag  # a pooled collection's tables are bags, a sequence one's not
 
 
-
-
 class EmbeddingBagCollection(nn.Module):
     """Named ``ShardedEmbeddingBag`` tables looked up together: ``ebc({"user": ids, ...}) -> {"user": bags}``.
 

@@ -73,7 +73,7 @@ def _at_once(
     for f, rows, left in zip(present, num_rows, lazy, strict=True):
         ids, off = as_ids(features[f]), offsets.get(f)
         w = _weights(f, weights, ids, dtype)  # against the ids as given (2-D weights for 2-D ids)
-        if ids.dim() == 2 and off is None:  # [bags, ids per bag]: valid offsets by construction
+        if ids.dim() == 2 and off is None and ids.shape[0]:  # [bags, ids per bag]: valid offsets by construction
             ids, off = ids.reshape(-1), torch.arange(ids.shape[0], device=ids.device) * ids.shape[1]
         elif ids.dim() == 1 and isinstance(off, torch.Tensor):
             off = as_ids(off)
