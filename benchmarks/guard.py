@@ -152,15 +152,20 @@ def lookup_large(s: Sizes) -> tuple[Step, Step]:
     return lambda: shardvar.embedding_lookup(v, ids), lambda: F.embedding(ids, s.table)
 
 
-def collection_fused(s: Sizes) -> tuple[Step, Step]:
-    """4 tables' bag step, fused row-wise Adagrad, against 4 nn.EmbeddingBags and torch's sparse Adagrad."""
+def _collections(s: Sizes, sparse: bool) -> tuple[list[str], dict, torch.Tensor, nn.ModuleDict, nn.Module]:
+    """4 tables of 8 mod shards as an EmbeddingBagCollection and as 4 nn.EmbeddingBags, and their inputs."""
     names, batch = [f"t{i}" for i in range(4)], s.ids // 16
     ids = {k: zipf_ids(s.ids, s.rows, seed=i) for i, k in enumerate(names)}
-    offsets, grad = torch.arange(batch) * 16, torch.randn(batch, s.dim)
-    plain = nn.ModuleDict({k: nn.EmbeddingBag(s.rows, s.dim, mode="sum", sparse=True) for k in names})
-    plain_opt = torch.optim.Adagrad(plain.parameters(), lr=0.01)
+    plain = nn.ModuleDict({k: nn.EmbeddingBag(s.rows, s.dim, mode="sum", sparse=sparse) for k in names})
     configs = {k: shardvar.TableConfig(s.rows, s.dim, 8, "mod") for k in names}
-    ebc = shardvar.EmbeddingBagCollection(configs, sparse=True)
+    return names, ids, torch.arange(batch) * 16, plain, shardvar.EmbeddingBagCollection(configs, sparse=sparse)
+
+
+def collection_fused(s: Sizes) -> tuple[Step, Step]:
+    """4 tables' bag step, fused row-wise Adagrad, against 4 nn.EmbeddingBags and torch's sparse Adagrad."""
+    names, ids, offsets, plain, ebc = _collections(s, sparse=True)
+    grad = torch.randn(offsets.numel(), s.dim)
+    plain_opt = torch.optim.Adagrad(plain.parameters(), lr=0.01)
     shardvar.optim.fuse(shardvar.optim.RowWiseAdagrad(ebc, lr=0.01))
 
     def theirs() -> None:
@@ -172,6 +177,13 @@ def collection_fused(s: Sizes) -> tuple[Step, Step]:
         sum((v * grad).sum() for v in ebc(ids, dict.fromkeys(names, offsets)).values()).backward()
 
     return ours, theirs
+
+
+def collection_forward(s: Sizes) -> tuple[Step, Step]:
+    """The forward of 4 sparse tables of 8 mod shards (issue 25: <= 1.1x) against 4 nn.EmbeddingBags."""
+    names, ids, offsets, plain, ebc = _collections(s, sparse=True)
+    every = dict.fromkeys(names, offsets)
+    return lambda: ebc(ids, every), lambda: [plain[k](ids[k], offsets) for k in names]
 
 
 def quantized_bag(s: Sizes) -> tuple[Step, Step]:
@@ -229,6 +241,7 @@ CASES: list[tuple[str, Callable[[Sizes, int, float], list[float]]]] = [
     ("training step, SparseAdam / nn.Embedding", timed(train_sparse_adam)),
     ("training step, fused shardvar.optim / SparseAdam", timed(train_fused)),
     ("collection step, fused RowWiseAdagrad (4 x 8 mod shards) / nn.EmbeddingBag + Adagrad", timed(collection_fused)),
+    ("collection forward (4 x 8 mod shards) / nn.EmbeddingBag", timed(collection_forward)),
     ("bag forward, int8 (8 shards) / nn.EmbeddingBag fp32", timed(quantized_bag)),
     ("2 ranks fwd+bwd, dense / one process", distributed("dense")),
     ("2 ranks fwd+bwd, sparse / one process", distributed("sparse")),
