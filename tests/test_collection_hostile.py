@@ -199,15 +199,18 @@ def test_a_list_of_tables_refuses_inputs_it_would_drop_or_misplace(call, error, 
     assert isinstance(caught.value, shardvar.ShardvarError)
 
 
+# Any batch of any features, in any order, on any placement of the tables.
+BATCHES = {
+    "placement": st.sampled_from(PLACEMENTS),
+    "sparse": st.booleans(),
+    "batch": st.integers(0, 4),
+    "keys": st.permutations(["a", "b1", "b2"]).flatmap(lambda p: st.integers(0, 3).map(lambda n: p[:n])),
+    "seed": st.integers(0, 10_000),
+}
+
+
 @settings(max_examples=30, deadline=None)
-@given(
-    placement=st.sampled_from(PLACEMENTS),
-    sparse=st.booleans(),
-    batch=st.integers(0, 4),
-    keys=st.permutations(["a", "b1", "b2"]).flatmap(lambda p: st.integers(0, 3).map(lambda n: p[:n])),
-    weighted=st.sets(st.sampled_from(["a", "b1", "b2"])),
-    seed=st.integers(0, 10_000),
-)
+@given(**BATCHES, weighted=st.sets(st.sampled_from(["a", "b1", "b2"])))
 def test_any_keyed_jagged_batch_pools_and_trains_as_separate_embedding_bags(
     placement, sparse, batch, keys, weighted, seed
 ) -> None:
@@ -238,13 +241,7 @@ def test_any_keyed_jagged_batch_pools_and_trains_as_separate_embedding_bags(
 
 
 @settings(max_examples=30, deadline=None)
-@given(
-    placement=st.sampled_from(PLACEMENTS),
-    sparse=st.booleans(),
-    batch=st.integers(0, 4),
-    keys=st.permutations(["a", "b1", "b2"]).flatmap(lambda p: st.integers(0, 3).map(lambda n: p[:n])),
-    seed=st.integers(0, 10_000),
-)
+@given(**BATCHES)
 def test_any_keyed_jagged_batch_gives_each_ids_row_as_separate_embeddings(placement, sparse, batch, keys, seed) -> None:
     ec = collection(placement, EmbeddingCollection, sparse=sparse)
     tables = {t: e.weight.to_tensor().detach() for t, e in ec.embeddings.items()}
