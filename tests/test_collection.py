@@ -170,6 +170,32 @@ def test_tables_moved_apart_are_looked_up_one_by_one(grouping) -> None:
     torch.testing.assert_close(out["item"], plain["item"](ids["item"], offsets["item"]), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("collection", [EmbeddingBagCollection, shardvar.EmbeddingCollection, "list"])
+def test_a_collection_moved_whole_keeps_one_allocation_per_group(collection) -> None:
+    # module.to() gives each shard memory of its own; the collection groups its tables again, at
+    # once: an optimizer made next holds the shards' memory, which no lookup could move then.
+    cfgs = {f"t{i}": TableConfig(40 + i, 8, 1 + i % 3, "mod" if i % 2 else "div") for i in range(4)}
+    if collection == "list":
+        module = shardvar.nn.EmbeddingBagList(
+            [shardvar.ShardedEmbeddingBag(40 + i, 8, 2, mode="sum") for i in range(4)]
+        )
+        ids = [torch.randint(0, 40, (5, 3)) for _ in range(4)]
+    else:
+        module = collection(cfgs, sparse=True)
+        ids = {k: torch.randint(0, 40, (5, 3)) for k in cfgs}
+    want = module(ids)
+    module.double()
+    shardvar.optim.fuse(shardvar.optim.RowWiseAdagrad(module, lr=0.1))  # made before any lookup regroups
+    groups = module._grouped() if collection == "list" else module._groups
+    assert len(groups) == 1 and groups[0][1].store.full_slab.dtype == torch.float64
+    slab = groups[0][1].store.full_slab.untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() == slab for p in module.parameters())
+    got = module(ids)
+    for k in cfgs if collection != "list" else range(4):
+        a, b = (got[k], want[k]) if collection != shardvar.EmbeddingCollection else (got[k].values, want[k].values)
+        torch.testing.assert_close(a, b.double())
+
+
 @pytest.mark.parametrize(
     ("call", "error", "match"),
     [

@@ -77,6 +77,11 @@ class EmbeddingBagCollection(nn.Module):
         groups, tables = self._groups, self.feature_tables
         return lookup_tables(self.embedding_bags, groups, features, offsets, per_sample_weights, tables)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> EmbeddingBagCollection:
+        super()._apply(fn, recurse)
+        self._groups = batch_tables(self.embedding_bags)  # see batch_tables: a move splits the groups
+        return self
+
     @staticmethod
     def concat(pooled: dict[str, torch.Tensor]) -> torch.Tensor:
         """The bags of every feature side by side, ``[batch, sum of dims]``, in the dict's order."""
@@ -91,6 +96,10 @@ def _batchable(bag: Table) -> bool:
 
 def batch_tables(bags: Mapping[str, Table]) -> list[tuple[list[str], ShardedVariable | None]]:
     """Move the shards of the tables of each (width, pooling mode, dtype, sparse) into one allocation.
+
+    Called again after ``module.to()`` / ``.cuda()`` / ``.double()``: torch moves each shard into
+    memory of its own, which would leave every table to its own lookup (and its own checks: on a
+    GPU each waits for the device); the group's allocation is made again on the new device.
 
     Tables with an option only their own call applies (padding_idx, max_norm, ...) stay apart
     (group variable None) and are looked up by their own forward.

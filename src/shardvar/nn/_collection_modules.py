@@ -33,6 +33,12 @@ class _Batched:
     def _tables(self) -> dict[str, ShardedEmbeddingBag]:
         raise NotImplementedError
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        super()._apply(fn, recurse)  # type: ignore[misc]
+        self.__dict__.pop("_group_key", None)  # a move gives each shard its own memory: grouped again, now
+        self._grouped()
+        return self
+
     def _grouped(self) -> list:
         tables = self._tables()
         key = tuple((k, id(b)) for k, b in tables.items())

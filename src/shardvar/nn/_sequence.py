@@ -50,6 +50,11 @@ class EmbeddingCollection(nn.Module):
         self.embeddings = nn.ModuleDict(build_tables(tables, make, dtype))
         self._groups = batch_tables(self.embeddings)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> EmbeddingCollection:
+        super()._apply(fn, recurse)
+        self._groups = batch_tables(self.embeddings)  # a move gives each shard its own memory: one per group again
+        return self
+
     def forward(
         self, features: dict[str, Any] | KeyedJagged, offsets: dict[str, Any] | None = None
     ) -> dict[str, JaggedRows]:
