@@ -174,6 +174,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: o
         stats = measure(args.rows, args.dim, args.batch, args.repeats, tuple(args.paths), args.profile)
         if rank == 0:
             queue.put(stats)
+        dist.barrier()  # no rank tears its group down while another still works
     finally:
         dist.destroy_process_group()
 
