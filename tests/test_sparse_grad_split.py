@@ -42,7 +42,20 @@ def test_the_gpu_segment_sum_equals_torch_coalesce(ids: list[int], dtype: torch.
     unique, order, starts = segments(keys, 61)
     want = torch.sparse_coo_tensor(keys[None], values, (61, 3), check_invariants=True).coalesce()
     assert torch.equal(unique.long(), want.indices()[0])
-    torch.testing.assert_close(_scattered_sum(values, order, starts), want.values())
+    torch.testing.assert_close(_scattered_sum(values, order, starts, None), want.values())
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=20), st.integers(1, 30), st.booleans())
+def test_the_gpu_segment_sum_of_gathered_weighted_rows_equals_embedding_bag(sizes, rows, weighted) -> None:
+    # A bag gradient's form: ``order`` picks rows with repeats (each id's bag), weights scale them.
+    g = torch.Generator().manual_seed(sum(sizes) * rows)
+    order = torch.randint(0, rows, (sum(sizes),), generator=g)
+    starts = torch.tensor([0, *sizes[:-1]]).cumsum(0)
+    values = torch.randn(rows, 3, generator=g, dtype=torch.float64)
+    weights = torch.rand(order.numel(), generator=g, dtype=torch.float64) if weighted else None
+    want = torch.nn.functional.embedding_bag(order, values, starts, mode="sum", per_sample_weights=weights)
+    torch.testing.assert_close(_scattered_sum(values, order, starts, weights), want)
 
 
 def _shards(how: str, strategy: str, sizes: list[int], width: int, dtype: torch.dtype) -> list[torch.Tensor]:

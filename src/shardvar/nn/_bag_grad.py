@@ -21,9 +21,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
-from ..variables._distinct import segments, sparse_rows
+from ..variables._distinct import segment_sum, segments, sparse_rows
 
 __all__ = ["Part", "sparse_bag", "sparse_bags"]
 
@@ -73,7 +72,7 @@ def row_gradient(parts: Sequence[Part], rows: Lists, offsets: Lists, scale: List
         grad = grad.contiguous()
         unique, starts, bag, weight = _part_rows(ids, offs, weights, mode, grad, part.stop - part.start)
         if part.sink is None:
-            summed = F.embedding_bag(bag, grad, starts, mode="sum", per_sample_weights=weight)
+            summed = segment_sum(grad, bag, starts, weights=weight)
             found.append((unique.to(torch.int64).add_(part.start), summed))
         else:
             _to_sink(part.sink, unique, starts, bag, weight, grad)
@@ -97,10 +96,8 @@ def _to_sink(
     cuts = torch.cat([starts[::step], starts.new_tensor([bag.numel()])]).tolist()  # each slice's first id
     for k, first in enumerate(range(0, unique.numel(), step)):
         lo, hi = cuts[k], cuts[k + 1]
-        summed = F.embedding_bag(
-            bag[lo:hi], grad, starts[first : first + step] - lo, mode="sum",
-            per_sample_weights=None if weight is None else weight[lo:hi],
-        )  # fmt: skip
+        slice_weight = None if weight is None else weight[lo:hi]
+        summed = segment_sum(grad, bag[lo:hi], starts[first : first + step] - lo, weights=slice_weight)
         sink(unique[first : first + step].to(torch.int64), summed)
 
 

@@ -68,35 +68,42 @@ def segment_sum(
     order: torch.Tensor,
     offsets: torch.Tensor,
     recycle: tuple[Recycler, Hashable] | None = None,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Row ``i`` is the sum of ``values[order[offsets[i]:offsets[i + 1]]]``, added in that order.
+    """Row ``i`` is the sum of ``values[order[offsets[i]:offsets[i + 1]]]`` (each times its ``weights``
+    entry where given), added in that order; every segment holds at least one entry.
 
     ``recycle``: a (recycler, key) to write the sums into that buffer (no page faults on a fresh
     output each step), where nothing needs their gradient.
     """
     if values.device.type != "cpu" and not torch.are_deterministic_algorithms_enabled():
-        return _scattered_sum(values, order, offsets)
+        return _scattered_sum(values, order, offsets, weights)
     if recycle is None or values.requires_grad or values.device.type != "cpu":
-        return F.embedding_bag(order, values, offsets, mode="sum")
+        return F.embedding_bag(order, values, offsets, mode="sum", per_sample_weights=weights)
     recycler, key = recycle
     out = recycler.take(key, (offsets.numel(), values.shape[1]), values.dtype, values.device)
     spare = [torch.empty(0, dtype=torch.int64) for _ in range(3)]
     # embedding_bag's own out= form (F.embedding_bag has none); mode 0 is "sum".
     torch.ops.aten._embedding_bag_forward_only.out(
-        values, order, offsets, False, 0, False, None, False, -1, out0=out, out1=spare[0], out2=spare[1], out3=spare[2]
-    )
+        values, order, offsets, False, 0, False, weights, False, -1, out0=out, out1=spare[0], out2=spare[1],
+        out3=spare[2],
+    )  # fmt: skip
     return out
 
 
-def _scattered_sum(values: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def _scattered_sum(
+    values: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None
+) -> torch.Tensor:
     # On a GPU, embedding_bag's kernel walks each bag's rows one after another, so a hot id's
     # segment (a tenth of a Zipf batch) takes milliseconds: 77 ms a step for 8 tables on an H100.
     # index_add adds every row at once (atomics; its order of addition is the device's, as in
     # torch's own CUDA embedding backward). Deterministic mode keeps embedding_bag's fixed order.
     segment = torch.zeros(order.numel(), dtype=order.dtype, device=order.device)
     segment.index_fill_(0, offsets[1:], 1)  # a one where each segment after the first starts
-    inverse = torch.empty_like(order).scatter_(0, order, segment.cumsum_(0))
-    return values.new_zeros(offsets.numel(), *values.shape[1:]).index_add(0, inverse, values)
+    rows = values.index_select(0, order)
+    if weights is not None:
+        rows.mul_(weights.unsqueeze(1))
+    return values.new_zeros(offsets.numel(), *values.shape[1:]).index_add(0, segment.cumsum_(0), rows)
 
 
 def coalesce(
