@@ -119,22 +119,38 @@ def batch_tables(bags: Mapping[str, Table]) -> list[tuple[list[str], ShardedVari
         if any(p.device != device for p in shards):
             groups += [([n], None) for n in names]  # tables on several devices: one by one
             continue
-        if as_slab(list(shards), interleaved=False) is None:  # not built in one allocation: moved into one
-            _move_into_one(shards, dim, dtype, device)
+        if as_slab(list(shards)) is None or not all(_in_order(bags[n].store) for n in names):
+            _move_into_one([bags[n] for n in names], dim, dtype, device)  # not built in one allocation
             for n in names:  # each table's store lets go of its own allocation: the tables are held once
                 bags[n].store.refresh()
         groups.append((names, ShardedVariable(shards)))
     return groups
 
 
-def _move_into_one(shards: list[torch.Tensor], dim: int, dtype: torch.dtype, device: torch.device) -> None:
-    slab = empty((sum(p.shape[0] for p in shards), dim), dtype=dtype, device=device)
+def _in_order(store: Any) -> bool:
+    """Whether a table's rows lie as its lookups read them: in logical order (as a fused optimizer
+    keeps its interleaved tables), or its shards back to back in shard order."""
+    return store.row_order == "logical" or (store.row_order == "storage" and not store.interleaved)
+
+
+def _move_into_one(tables: list[Table], dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    """The tables' shards moved into one new allocation, table after table: each table's shards back to
+    back, or row by row where a fused optimizer keeps them so (``store.interleaved``)."""
+    slab = empty((sum(t.num_embeddings for t in tables), dim), dtype=dtype, device=device)
     start = 0
     with torch.no_grad():
-        for p in shards:
-            slab[start : start + p.shape[0]].copy_(p)
-            p.set_(slab.untyped_storage(), start * dim, p.shape, p.stride())
-            start += p.shape[0]
+        for table in tables:
+            shards, n = table.shards, len(table.shards)
+            region = slab[start : start + table.num_embeddings]
+            split = (
+                [region[s::n] for s in range(n)]
+                if table.store.interleaved
+                else region.split([p.shape[0] for p in shards])
+            )
+            for p, piece in zip(shards, split, strict=True):
+                piece.copy_(p)
+                p.set_(slab.untyped_storage(), piece.storage_offset(), p.shape, piece.stride())
+            start += table.num_embeddings
 
 
 def lookup_tables(
@@ -250,7 +266,8 @@ def _lookup_group(
     table = tables[names[0]]
     if pooling(table) is not None and table.sparse and table.mode != "max":  # table by table, summed per row
         return sparse_pooled(tables, names, present, table_of, starts, store, inputs)
-    layouts = {n: tables[n].layout for n in names}
+    # A table whose rows are its ids (see ShardStore.logical_slab) is packed as one shard: no arithmetic.
+    layouts = {n: tables[n].layout if not tables[n].store.logical_slab else _one_shard(tables[n]) for n in names}
     narrow = store.full_slab.shape[0] <= torch.iinfo(torch.int32).max  # 32-bit rows: half the bytes to move and keep
     index = torch.int32 if narrow else torch.int64
     packed = pack(present, table_of, layouts, starts, store.dtype, *inputs, index=index, recycler=store.recycler)
@@ -278,11 +295,15 @@ def _lookup_table(
             return {f: table(features[f], offsets.get(f), per_sample_weights=weights.get(f))}
         except ShardvarError as e:  # checked by the table's forward before its lookup, by the same rules
             raise type(e)(f"feature {f!r}: {e}") from None
-    logical = {name: Layout.div(table.num_embeddings, 1)}  # the table's own ids: its forward finds their shards
+    logical = {name: _one_shard(table)}  # the table's own ids: its forward finds their shards
     ids, offs, psw, counts = pack(mine, table_of, logical, {name: 0}, table.store.dtype, *inputs)
     if not pooled:
         return jagged_split(table(ids), offs, counts, mine)
     return dict(zip(mine, table(ids, offs, per_sample_weights=psw).split(counts), strict=True))
+
+
+def _one_shard(table: Table) -> Layout:
+    return Layout.div(table.num_embeddings, 1)
 
 
 def _starts(tables: Mapping[str, Table], names: list[str]) -> list[int]:

@@ -4,11 +4,12 @@ allocation (sum and mean bags).
 Nothing is shifted into the allocation's rows: each table's ids and offsets go to its kernel as
 they are (a table serving several features gets their bags end to end: its rows are read once),
 so the forward's work is the kernels and the checks. On the CPU the kernel refuses an id outside
-the rows it is given before it writes anything, so a table whose ids are its rows (one shard, or
-div shards) leaves its ids to the kernel (as ``embedding_bag`` over a whole slab does): a pass
-over every id saved, and a bad id then gets the error the checks give it. The ids of the other
-tables (mod tables of several shards) are range-checked and moved to their storage rows (a copy
-to 32 bits and three passes each) in one buffer kept between calls, before any kernel reads them.
+the rows it is given before it writes anything, so a table whose ids are its rows (one shard, div
+shards, or mod shards a fused optimizer laid row by row) leaves its ids to the kernel (as
+``embedding_bag`` over a whole slab does): a pass over every id saved, and a bad id then gets the
+error the checks give it. The ids of the other tables (mod tables of shards back to back) are
+range-checked and moved to their storage rows (a copy to 32 bits and three passes each) in one
+buffer kept between calls, before any kernel reads them.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def sparse_pooled(
         scale.append(w)
         parts.append(Part(starts[t], starts[t] + tables[t].num_embeddings, tables[t].store.sink))
     layouts = [tables[t].layout for t, _ in by_table]
-    away = [k for k, x in enumerate(layouts) if not (x.contiguous or x.num_shards == 1)]  # rows not the ids
+    away = [k for k, (t, _) in enumerate(by_table) if not tables[t].store.logical_slab]  # rows not the ids
     fault = functools.partial(refused, present, num_rows, store.dtype, inputs)
     for k, moved in zip(away, _moved(store, [layouts[k] for k in away], [rows[k] for k in away], cpu, fault)):  # noqa: B905
         rows[k], offsets[k] = moved, offsets[k].to(moved.dtype)  # the kernel's ids and offsets: one dtype

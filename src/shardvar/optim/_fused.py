@@ -15,6 +15,13 @@ at a time (``nn._bag_grad.SINK_BYTES``), each slice updated before the next is s
 the gradients of all tables nor a whole table's exist at once (FBGEMM's fused backward).
 A collection called twice before one backward thus updates its tables once per call, as
 FBGEMM's does; a table read twice by other lookups is updated once, with the summed gradient.
+
+A fused optimizer owns its tables' updates, so it also lays each local mod table of equal shards
+row by row in logical order (shard ``s`` the rows ``s, s + n, ...`` of the table's memory, its
+state alike; :mod:`shardvar.variables._relayout`): a lookup's ids are then its rows, with no
+arithmetic and no range check of its own. ``remove()`` lays them back to back again: torch's
+sparse optimizers cannot update strided shards. As after ``module.to()``, a tensor that viewed a
+shard's memory before ``fuse`` (or ``remove``) no longer sees the shard.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from typing import Any
 import torch
 
 from .._errors import ShardvarValueError
+from ..variables._relayout import deinterleave, interleave
 from ._base import TableOptimizer
 from ._tables import Table
 
@@ -39,6 +47,7 @@ class FusedHandle:
         self._pending: dict[int, Table] = {}  # tables updated in the running backward
         # (table, slab group) -> sparse gradients of its members by position, applied at the end
         self._sparse: dict[tuple[int, int], tuple[Table, dict[str, Any], dict[int, torch.Tensor]]] = {}
+        self._interleaved: list[Table] = []  # mod tables laid row by row in logical order by attach
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -46,6 +55,9 @@ class FusedHandle:
         self._hooks.clear()
         for t in self.optimizer.tables:
             t.store.sink = None
+        for t in self._interleaved:  # back to contiguous shards, which torch's sparse optimizers can update
+            deinterleave(t.store, _row_state(t))
+        self._interleaved.clear()
         self.optimizer._fused = None
 
     def attach(self, tables: list[Table], group: dict[str, Any]) -> None:
@@ -56,6 +68,8 @@ class FusedHandle:
             if not any(p.requires_grad for p in shards.values()):
                 continue
             if t.store.full_slab is not None and len(t.store.groups) == 1:  # a collection updates it in backward
+                if interleave(t.store, _row_state(t)):  # ids are then its rows: lookups do no arithmetic
+                    self._interleaved.append(t)
                 t.store.sink = self._sink(t, group)
             for g, store_group in enumerate(t.store.groups):
                 for k, s in enumerate(store_group.members):
@@ -102,6 +116,11 @@ class FusedHandle:
             p.grad = None
 
         return apply
+
+
+def _row_state(table: Table) -> list[torch.Tensor]:
+    """The table's state tensors of its one slab group, one row per table row: they move with its rows."""
+    return [x[0] for x in table.state.values()]
 
 
 def fuse(optimizer: TableOptimizer) -> FusedHandle:

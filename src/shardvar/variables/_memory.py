@@ -14,7 +14,7 @@ import torch
 
 from .._errors import ShardvarValueError
 from .._pages import empty
-from ..layout import intersect_progressions
+from ..layout import intersect_progressions, mod_sizes
 
 __all__ = ["Slab", "as_slab", "adopt", "check_disjoint", "storage_ptr", "where"]
 
@@ -65,33 +65,46 @@ def _plain_rows(t: torch.Tensor, step: int) -> bool:
     return tuple(t.stride()[1:]) == tuple(inner) and (t.shape[0] <= 1 or t.stride()[0] == step * width)
 
 
-def as_slab(shards: list[torch.Tensor], interleaved: bool) -> Slab | None:
+def as_slab(shards: list[torch.Tensor]) -> Slab | None:
     """A ``[rows, width]`` tensor over the shards' memory, when they tile one allocation.
 
-    Back to back in order (each member's rows ``start + i``), or, for all shards of a mod layout
-    (``interleaved``), row by row in logical order (shard s at rows ``s + n * i``).
+    The shards, in order, lie in runs from the first one's memory on: one shard whose rows follow
+    each other (its rows ``start + i``), or ``m`` shards of mod sizes laid row by row (a mod table
+    of ``m`` shards in logical order: shard ``j`` at rows ``start + j + m * i``).
     """
     first = shards[0]
     if first.dim() == 0 or first.layout != torch.strided or first.device.type == "meta" or storage_ptr(first) is None:
         return None
-    ptr, base, n = first.untyped_storage().data_ptr(), first.storage_offset(), len(shards)
+    ptr, base = first.untyped_storage().data_ptr(), first.storage_offset()
     width, rows = math.prod(first.shape[1:]), sum(s.shape[0] for s in shards)
-    same = all(s.dtype == first.dtype and s.untyped_storage().data_ptr() == ptr for s in shards)
-    if not same:
+    if not all(s.dtype == first.dtype and s.untyped_storage().data_ptr() == ptr for s in shards):
         return None
-    offset, starts = base, []
-    for s in shards:
-        if not s.is_contiguous() or s.storage_offset() != offset:
-            break
-        starts.append(offset - base)
-        offset += math.prod(s.shape)
-    else:
-        return _set(first, base, rows, width), tuple(x // max(width, 1) for x in starts), (1,) * n
-    if interleaved and n > 1 and width:
-        tiles = all(s.storage_offset() == base + k * width and _plain_rows(s, n) for k, s in enumerate(shards))
-        if tiles:
-            return _set(first, base, rows, width), tuple(range(n)), (n,) * n
-    return None
+    offset, k, starts, steps = base, 0, [], []
+    while k < len(shards):
+        s = shards[k]
+        run = _interleaved(shards, k, offset, width) if s.shape[0] > 1 and not s.is_contiguous() else 1
+        if not run or (run == 1 and (not s.is_contiguous() or s.storage_offset() != offset)):
+            return None
+        row = (offset - base) // max(width, 1)
+        starts += [row + j for j in range(run)]
+        steps += [run] * run
+        offset += sum(math.prod(x.shape) for x in shards[k : k + run])
+        k += run
+    return _set(first, base, rows, width), tuple(starts), tuple(steps)
+
+
+def _interleaved(shards: list[torch.Tensor], k: int, offset: int, width: int) -> int:
+    """How many shards from ``k`` on lie row by row from element ``offset`` (a mod table's rows in
+    logical order): their count ``m`` (the first one's row stride over the width), or 0."""
+    stride = shards[k].stride()[0]
+    if not width or stride % width or stride // width < 2 or k + stride // width > len(shards):
+        return 0
+    m = stride // width
+    run = shards[k : k + m]
+    if tuple(x.shape[0] for x in run) != mod_sizes(sum(x.shape[0] for x in run), m):
+        return 0  # rows of other sizes would not tile the run's rows
+    tiles = all(x.storage_offset() == offset + j * width and _plain_rows(x, m) for j, x in enumerate(run))
+    return m if tiles else 0
 
 
 def _adoptable(t: torch.Tensor) -> bool:

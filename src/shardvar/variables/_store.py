@@ -27,6 +27,7 @@ from .._recycle import Recycler
 from .._validate import check_devices
 from ..layout import Layout
 from ._distinct import coalesce, sparse_rows
+from ._group_rows import locate, member_major
 from ._memory import adopt, as_slab, check_disjoint, where
 
 __all__ = ["Group", "ShardStore", "rows_2d"]
@@ -90,6 +91,9 @@ class ShardStore:
         # Set by a fused optimizer: ``sink(full slab rows, their summed gradient)`` updates those rows
         # in backward; a collection's sparse backward hands a table's rows to it, not to .grad.
         self.sink: Any = None
+        # Set while a fused optimizer keeps this mod table's shards row by row in logical order (its
+        # state in that order too): the shards are put so again wherever they are moved.
+        self.interleaved = False
         self._build()
 
     # -- construction ---------------------------------------------------------------------------
@@ -134,13 +138,13 @@ class ShardStore:
             by_device.setdefault(t.device, []).append(s)
         for device, members in by_device.items():
             tensors = [self._shards[s] for s in members]
-            # A user's mod shards that are interleaved views of one tensor (``t[s::n]``) are used in
-            # place. Shards shardvar allocates or adopts are contiguous: torch's sparse ``add_``
-            # (every sparse optimizer's update) fails on strided leaf parameters.
-            interleaved = not self.layout.contiguous and len(members) == self.layout.num_shards
-            found = as_slab(tensors, interleaved) if self.layout.axis == 0 else None
-            if found is None and self.layout.axis == 0 and self.adopt and adopt(tensors, interleaved=False):
-                found = as_slab(tensors, interleaved=False)
+            # Shards shardvar allocates or adopts are contiguous: torch's sparse ``add_`` (every torch
+            # sparse optimizer's update) refuses strided leaf parameters (its slow path checks them in
+            # worker threads, with grad mode on). A mod table's shards laid row by row in logical order
+            # (a user's ``t[s::n]``, or a fused optimizer's table: see ``interleave``) are used in place.
+            found = as_slab(tensors) if self.layout.axis == 0 else None
+            if found is None and self.layout.axis == 0 and self.adopt and adopt(tensors, self._interleave(members)):
+                found = as_slab(tensors)
             if found is not None:
                 slab, starts, steps = found
                 groups.append(Group(device, tuple(members), starts, steps, slab.shape[0], slab))
@@ -151,19 +155,22 @@ class ShardStore:
         # Read on every lookup; they change only here (the shards and layout are fixed at __init__).
         one = self.groups[0] if len(self.groups) == 1 and self.is_complete else None
         self._full_slab = one.slab if one is not None else None
-        self._logical_slab = self._full_slab is not None and (
-            self.layout.contiguous or one.steps[0] > 1 or len(self._shards) == 1
-        )
-        # Each group's members' first positions laid back to back in member order (where a sparse
-        # gradient's member-major rows of each member start): their starts, or for interleaved
-        # members the running sum of their sizes.
+        # How a logical id finds its full-slab row: it is the row (div shards in order, a mod table
+        # laid row by row, one shard), the layout's storage row (shards back to back in order), or
+        # else its shard's run in the slab (``route``).
+        self._order = _order(one, self.layout) if self._full_slab is not None else None
+        self._logical_slab = self._order == "logical"
+        # Where each member's rows start with the group's members laid back to back in member order
+        # (a sparse gradient's member-major rows): its start when no member is interleaved.
         self._firsts = tuple(
-            g.starts if g.steps[0] == 1 else (0, *itertools.accumulate(self.layout.sizes[s] for s in g.members[:-1]))
-            for g in self.groups
+            (0, *itertools.accumulate(self.layout.sizes[s] for s in g.members[:-1])) for g in self.groups
         )
         self._signature = self._current_signature()
         self._routes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.recycler = Recycler()  # per-step buffers of lookups and their gradients
+
+    def _interleave(self, members: list[int]) -> bool:
+        return self.interleaved and len(members) == self.layout.num_shards
 
     def _current_signature(self) -> list:
         # Where each shard's data lives: it moves with param.data = ..., module.to(...), set_(...).
@@ -211,11 +218,18 @@ class ShardStore:
         """Whether the full slab's rows are the logical rows (div shards in order, interleaved mod shards)."""
         return self._logical_slab
 
+    @property
+    def row_order(self) -> str | None:
+        """How the full slab holds the logical rows: "logical", "storage" or "runs" (None: no full slab)."""
+        return self._order
+
     def slab_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The full slab's row of each valid logical id."""
-        if self.logical_slab:
+        if self._logical_slab:
             return ids
-        return self.layout.strategy.storage_rows(self.layout.sizes, ids)
+        if self._order == "storage":
+            return self.layout.strategy.storage_rows(self.layout.sizes, ids)
+        return self.route(ids)[1]
 
     @property
     def nbytes(self) -> int:
@@ -279,24 +293,19 @@ class ShardStore:
         flag, but re-sorting distinct sorted rows is cheap: SparseAdam's step 0.7-0.95x torch's).
         """
         group = self.groups[g]
-        interleaved = group.steps[0] > 1  # row r is member r % n's row r // n
+        sizes = [self.layout.sizes[s] for s in group.members]
+        interleaved = any(st > 1 for st in group.steps)
         if values.is_floating_point() and rows.numel() and (interleaved or not coalesced):
             # Keyed member by member (each member's rows back to back), so each member is one run.
-            key = self._member_major(g, rows) if interleaved else rows
+            key = member_major(group.starts, group.steps, sizes, rows)
             rows, values = coalesce(key, values, group.rows, (self.recycler, ("sparse grad", g)))
-            coalesced = True
+            coalesced, interleaved = True, False
         if len(group.members) == 1:
             s = group.members[0]
             return {s: sparse_rows(rows, values, self.layout.sizes[s], coalesced)}
-        if coalesced:
+        if coalesced and not interleaved:
             return self._cut_runs(g, rows, values)
         return self._split_unsorted(group, rows, values)
-
-    def _member_major(self, g: int, rows: torch.Tensor) -> torch.Tensor:
-        """Interleaved group rows as positions in the members laid back to back, in member order."""
-        n = self.groups[g].steps[0]
-        firsts = torch.tensor(self._firsts[g], dtype=torch.int64, device=rows.device)
-        return firsts.index_select(0, rows.remainder(n)).add_(rows.div(n, rounding_mode="floor"))
 
     def _cut_runs(self, g: int, keys: torch.Tensor, values: torch.Tensor) -> dict[int, torch.Tensor]:
         """Coalesced gradients per member from distinct ascending member-major ``keys``: views."""
@@ -313,12 +322,7 @@ class ShardStore:
 
     def _split_unsorted(self, group: Group, rows: torch.Tensor, values: torch.Tensor) -> dict[int, torch.Tensor]:
         """Uncoalesced gradients per member (a dtype ``coalesce`` does not sum): one reorder, then views."""
-        if group.steps[0] > 1:
-            member, local = rows.remainder(group.steps[0]), rows.div(group.steps[0], rounding_mode="floor")
-        else:
-            starts = torch.tensor(group.starts, dtype=torch.int64, device=rows.device)
-            member = _member(rows, [self.layout.sizes[s] for s in group.members], starts)
-            local = rows - starts.index_select(0, member)
+        member, local = locate(group.starts, group.steps, [self.layout.sizes[s] for s in group.members], rows)
         # A stable sort of the member index, in the narrowest dtype that holds it: torch sorts
         # small integer keys by radix, several times faster than sorting the rows themselves.
         narrow = torch.uint8 if len(group.members) <= 256 else torch.int32
@@ -350,23 +354,19 @@ class ShardStore:
         )
 
 
-def _member(rows: torch.Tensor, sizes: list[int], starts: torch.Tensor) -> torch.Tensor:
-    """Which of consecutive members (``sizes`` rows each) holds each row. Balanced sizes (q + 1 rows
-    for the first members, q for the rest: every div layout shardvar makes) need only a division,
-    several times faster than a binary search per row."""
-    q = sizes[-1]
-    big = sum(1 for x in sizes if x == q + 1)
-    if q == 0 or sizes != [q + 1] * big + [q] * (len(sizes) - big):
-        return torch.bucketize(rows, starts[1:], right=True)
-    if big == 0:
-        return torch.div(rows, q, rounding_mode="floor")
-    cut = big * (q + 1)
-    head = torch.div(rows, q + 1, rounding_mode="floor")
-    return (
-        head
-        if big == len(sizes)
-        else torch.where(rows < cut, head, big + torch.div(rows - cut, q, rounding_mode="floor"))
-    )
+def _order(group: Group, layout: Layout) -> str:
+    """How the logical rows lie in a complete store's one group: "logical" (its rows), "storage"
+    (the shards back to back in shard order: the layout's storage rows) or "runs" (anything else)."""
+    sizes = layout.sizes
+    spans = [layout.strategy.progression(sizes, s) for s in group.members]
+    if all(
+        sizes[s] == 0 or (a, b if sizes[s] > 1 else 1) == (start, step if sizes[s] > 1 else 1)
+        for s, (a, b), start, step in zip(group.members, spans, group.starts, group.steps, strict=True)
+    ):
+        return "logical"
+    if all(step == 1 for step in group.steps) and list(group.members) == sorted(group.members):
+        return "storage"
+    return "runs"
 
 
 def _rest(shape: Sequence[int], axis: int) -> tuple[int, ...]:

@@ -1,0 +1,126 @@
+"""Laying a mod table's shards row by row in logical order, in place, and back.
+
+A complete local mod table whose shards lie back to back (shard-major) reads id ``i`` at storage
+row ``(i % n) * q + i // n``: every lookup pays that arithmetic and a range check over its ids.
+Laid row by row (shard ``s`` the view ``table[s::n]``), an id is its row. torch's sparse
+optimizers cannot update such strided shards (their sparse ``add_`` refuses strided leaf
+parameters), so only an owner of the updates, a fused shardvar optimizer, lays a table so, and
+lays it back when it lets go (see :mod:`shardvar.optim._fused`).
+
+The rows move in place with a small buffer (1/64 of the table or less): a table-sized copy would
+raise the peak memory of building and training by the table's size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._pages import empty
+from ._memory import _PLAIN
+from ._store import ShardStore
+
+__all__ = ["interleave", "deinterleave", "transpose_rows_"]
+
+_MOVES = 4096  # the most blocks moved one by one (a Python step each)
+
+
+def _blocks(a: int, b: int) -> int | None:
+    """``m`` dividing ``b`` for the two-step transpose of ``a x b`` rows: at most :data:`_MOVES` blocks
+    moved one by one, and a buffer of ``a * b / m`` rows at most 1/64 of them (None: no such m)."""
+    m = next((m for m in range(min(b, max(_MOVES // a, 1)), 0, -1) if b % m == 0), 1)
+    return m if a * (b // m) <= max(a * b // 64, 4096) else None
+
+
+def _cycle(blocks: torch.Tensor, dest: list[int]) -> None:
+    """Move block ``p`` of ``blocks`` (``[N, rows, width]``) to ``dest[p]``, following each cycle with
+    two blocks of buffer."""
+    carry, swap = torch.empty_like(blocks[0]), torch.empty_like(blocks[0])
+    seen = bytearray(len(dest))
+    for start in range(len(dest)):
+        if seen[start] or dest[start] == start:
+            continue
+        carry.copy_(blocks[start])
+        p = start
+        while True:
+            d, seen[p] = dest[p], 1
+            if d == start:
+                blocks[start].copy_(carry)
+                break
+            swap.copy_(blocks[d])
+            blocks[d].copy_(carry)
+            carry, swap, p = swap, carry, d
+
+
+def transpose_rows_(x: torch.Tensor, a: int, b: int, inverse: bool = False) -> bool:
+    """Rows of ``x`` (``[a * b, width]``) as an ``a x b`` matrix become its ``b x a`` transpose, in
+    place (``inverse``: back). False, with ``x`` untouched, when no small buffer does it."""
+    m = _blocks(a, b)
+    if m is None:
+        return False
+    c = b // m
+    blocks = x.view(a * m, c, -1)  # [a, m] blocks of c rows -> [m, a]; then each [a, c] -> [c, a]
+    there = [(p % m) * a + p // m for p in range(a * m)]
+    if not inverse:
+        _cycle(blocks, there)
+    chunks = x.view(m, a * c, -1)
+    buffer = empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
+    for chunk in chunks:
+        before = chunk.view(a, c, -1) if not inverse else chunk.view(c, a, -1)
+        buffer.view(before.shape[1], before.shape[0], -1).copy_(before.transpose(0, 1))
+        chunk.copy_(buffer)
+    if inverse:
+        back = [0] * len(there)
+        for p, d in enumerate(there):
+            back[d] = p
+        _cycle(blocks, back)
+    return True
+
+
+def _eligible(store: ShardStore, order: str) -> bool:
+    layout, shards = store.layout, list(store.local_shards().values())
+    n = layout.num_shards
+    return (
+        not layout.contiguous
+        and n > 1
+        and layout.axis == 0
+        and layout.num_rows % n == 0
+        and store.exchange is None
+        and store.is_complete
+        and store.full_slab is not None
+        and store.width > 0
+        and store.row_order == order
+        and all(type(t) in _PLAIN for t in shards)
+        and _blocks(n, layout.num_rows // n) is not None
+    )
+
+
+def _relay(store: ShardStore, extra: list[torch.Tensor], interleaved: bool) -> bool:
+    n, rows = store.layout.num_shards, store.layout.num_rows
+    slab = store.full_slab
+    tensors = [slab, *(t.view(rows, -1) for t in extra)]
+    with torch.no_grad():
+        for t in tensors:
+            transpose_rows_(t, n, rows // n, inverse=not interleaved)
+        whole = slab.view(rows, *store.row_shape)
+        pieces = [whole[s::n] for s in range(n)] if interleaved else list(whole.split(rows // n))
+        for s, t in store.local_shards().items():
+            t.set_(slab.untyped_storage(), pieces[s].storage_offset(), t.shape, pieces[s].stride())
+    store.interleaved = interleaved
+    store.refresh()
+    return True
+
+
+def interleave(store: ShardStore, extra: list[torch.Tensor] = ()) -> bool:
+    """Lay the store's mod shards row by row in logical order, and each tensor of ``extra`` (the
+    table's optimizer state, one row per table row) alike; False, changing nothing, when the table
+    is not a complete local mod table of equal shards lying back to back in one slab."""
+    return _eligible(store, "storage") and _relay(store, list(extra), True)
+
+
+def deinterleave(store: ShardStore, extra: list[torch.Tensor] = ()) -> bool:
+    """Undo :func:`interleave`: the shards back to back, each contiguous (as torch's sparse optimizers need)."""
+    if not _eligible(store, "logical") or math.prod(store.local_shards()[0].stride()[:1]) == store.width:
+        return False
+    return _relay(store, list(extra), False)
