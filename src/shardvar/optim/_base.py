@@ -41,9 +41,12 @@ def _check_rows(table: Table, shards: list[int], rows: list[torch.Tensor]) -> No
             )
 
 
-def _summed(rows: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all()):
-        return rows, values  # one row each already (a collection's gradient is summed per row): nothing to add
+def _summed(rows: torch.Tensor, values: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct ``rows`` and their summed ``values``; ``keys`` (the rows member by member, in member
+    order) ascend when every member's rows are distinct: nothing to add then (a collection's gradient
+    is summed per row)."""
+    if rows.numel() < 2 or bool((keys[1:] > keys[:-1]).all()):
+        return rows, values
     unique, inverse = torch.unique(rows, return_inverse=True)
     out = zeros((unique.numel(), values.shape[1]), dtype=values.dtype, device=values.device)
     return unique, out.index_add_(0, inverse, values)
@@ -54,19 +57,22 @@ def sparse_group_grad(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(slab rows, gradient rows) of group ``g`` from sparse gradients of its members (by member position).
 
-    Members back to back, each with distinct ascending rows (a collection's), give ascending rows:
-    nothing to sum then.
+    Members whose rows are distinct and ascending each (a collection's) give distinct rows: nothing
+    to sum then, whether the members lie back to back or row by row.
     """
     group = table.store.groups[g]
     given = [(k, x) for k, x in sorted(grads.items()) if x is not None]
     local = [x._indices()[0] for _, x in given]
     _check_rows(table, [group.members[k] for k, _ in given], local)
-    found = [
-        (group.starts[k] + group.steps[k] * r, x._values().reshape(r.numel(), table.store.width))
-        for (k, x), r in zip(given, local, strict=True)
-    ]
-    rows, values = torch.cat([r for r, _ in found]), torch.cat([v for _, v in found])
-    return (rows, values) if not summed else _summed(rows, values)
+    width = table.store.width
+    rows = torch.cat([group.starts[k] + group.steps[k] * r for (k, _), r in zip(given, local, strict=True)])
+    values = torch.cat([x._values().reshape(r.numel(), width) for (_, x), r in zip(given, local, strict=True)])
+    if not summed:
+        return rows, values
+    if all(step == 1 for step in group.steps):
+        return _summed(rows, values, rows)  # back to back: the rows are their own keys
+    before = list(itertools.accumulate((table.store.layout.sizes[s] for s in group.members), initial=0))
+    return _summed(rows, values, torch.cat([before[k] + r for (k, _), r in zip(given, local, strict=True)]))
 
 
 def _slab_grad(table: Table, g: int, summed: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
