@@ -234,3 +234,27 @@ def test_a_checkpoint_loads_into_interleaved_tables_and_state(tmp_path) -> None:
     handle.remove()
     for name, value in plain_opt.state_dict()["state"].items():
         torch.testing.assert_close(fused_opt.state_dict()["state"][name], value, atol=1e-6, rtol=0)
+
+
+def test_rows_stay_put_where_a_tensor_of_someone_else_holds_them() -> None:
+    # The user's tensor the shards were cut from: its rows must not move under it.
+    whole = torch.randn(64, DIM)
+    before = whole.clone()
+    v = shardvar.ShardedVariable([torch.randn(8, DIM, requires_grad=True) for _ in range(8)], strategy="mod")
+    cut = shardvar.ShardedVariable(list(whole.split(8)), strategy="mod")
+    assert v.store.row_order == cut.store.row_order == "storage"
+    h = so.fuse(so.RowWiseAdagrad([("v", v)], lr=0.1))
+    assert v.store.interleaved  # its own memory (adopted): laid row by row
+    h.remove()
+    views = [p.requires_grad_() for p in whole.split(8)]  # leaves over the user's tensor
+    table = shardvar.ShardedVariable(views, strategy="mod")
+    h = so.fuse(so.RowWiseAdagrad([("t", table)], lr=0.1))
+    assert not table.store.interleaved and torch.equal(whole, before)
+    h.remove()
+    model = _collection()
+    snapshot = [p.detach() for p in model.embedding_bags["a"].shards]  # views of table a's shards
+    h = so.fuse(so.RowWiseAdagrad(model, lr=0.1))
+    assert not model.embedding_bags["a"].store.interleaved  # its memory is the whole group's: none moves
+    assert not model.embedding_bags["e"].store.interleaved
+    assert all(torch.equal(x, p) for x, p in zip(snapshot, model.embedding_bags["a"].shards, strict=True))
+    h.remove()

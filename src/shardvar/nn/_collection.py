@@ -123,7 +123,10 @@ def batch_tables(bags: Mapping[str, Table]) -> list[tuple[list[str], ShardedVari
             _move_into_one([bags[n] for n in names], dim, dtype, device)  # not built in one allocation
             for n in names:  # each table's store lets go of its own allocation: the tables are held once
                 bags[n].store.refresh()
-        groups.append((names, ShardedVariable(shards)))
+        variable = ShardedVariable(shards)
+        for n in names:  # the stores over the group's memory: a fused optimizer moves rows only if none else is
+            bags[n].store.companions = (variable._store, *(bags[m].store for m in names if m != n))
+        groups.append((names, variable))
     return groups
 
 

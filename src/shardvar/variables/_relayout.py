@@ -18,7 +18,7 @@ import math
 import torch
 
 from .._pages import empty
-from ._memory import _PLAIN
+from ._memory import _PLAIN, _base_use, _use_count, storage_ptr
 from ._store import ShardStore
 
 __all__ = ["interleave", "deinterleave", "transpose_rows_"]
@@ -93,7 +93,21 @@ def _eligible(store: ShardStore, order: str) -> bool:
         and store.row_order == order
         and all(type(t) in _PLAIN for t in shards)
         and _blocks(n, layout.num_rows // n) is not None
+        and _unshared(store)
     )
+
+
+def _unshared(store: ShardStore) -> bool:
+    """Whether only shardvar's own tensors over the table's memory hold it (the store's and its
+    companions' shards and slabs): anyone else's (a view of a shard, a kept ``state_dict``, the
+    tensor the shards were cut from, a pending backward's saved slab) would see its rows move."""
+    first = store.local_shards()[0]
+    ours: dict[int, torch.Tensor] = {}
+    for owner in (store, *store.companions):
+        ours.update((id(t), t) for t in owner.local_shards().values())
+        ours.update((id(g.slab), g.slab) for g in owner.groups if g.slab is not None)
+    known = sum(1 for t in ours.values() if storage_ptr(t) == storage_ptr(first))
+    return _use_count(first) - (_base_use() - 1) == known
 
 
 def _relay(store: ShardStore, extra: list[torch.Tensor], interleaved: bool) -> bool:
@@ -115,7 +129,8 @@ def _relay(store: ShardStore, extra: list[torch.Tensor], interleaved: bool) -> b
 def interleave(store: ShardStore, extra: list[torch.Tensor] = ()) -> bool:
     """Lay the store's mod shards row by row in logical order, and each tensor of ``extra`` (the
     table's optimizer state, one row per table row) alike; False, changing nothing, when the table
-    is not a complete local mod table of equal shards lying back to back in one slab."""
+    is not a complete local mod table of equal shards lying back to back in one slab, or when a
+    tensor other than shardvar's own holds its memory."""
     return _eligible(store, "storage") and _relay(store, list(extra), True)
 
 

@@ -94,6 +94,7 @@ class ShardStore:
         # Set while a fused optimizer keeps this mod table's shards row by row in logical order (its
         # state in that order too): the shards are put so again wherever they are moved.
         self.interleaved = False
+        self.companions: tuple[ShardStore, ...] = ()  # other stores over the same memory (a collection's)
         self._build()
 
     # -- construction ---------------------------------------------------------------------------
