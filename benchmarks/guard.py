@@ -186,6 +186,14 @@ def collection_forward(s: Sizes) -> tuple[Step, Step]:
     return lambda: ebc(ids, every), lambda: [plain[k](ids[k], offsets) for k in names]
 
 
+def collection_forward_fused(s: Sizes) -> tuple[Step, Step]:
+    """The same forward under a fused optimizer, which lays each mod table row by row: no id arithmetic."""
+    names, ids, offsets, plain, ebc = _collections(s, sparse=True)
+    shardvar.optim.fuse(shardvar.optim.RowWiseAdagrad(ebc, lr=0.01))
+    every = dict.fromkeys(names, offsets)
+    return lambda: ebc(ids, every), lambda: [plain[k](ids[k], offsets) for k in names]
+
+
 def quantized_bag(s: Sizes) -> tuple[Step, Step]:
     offsets = torch.arange(0, s.ids, 20)
     plain = nn.EmbeddingBag.from_pretrained(s.table, mode="sum")
@@ -242,6 +250,7 @@ CASES: list[tuple[str, Callable[[Sizes, int, float], list[float]]]] = [
     ("training step, fused shardvar.optim / SparseAdam", timed(train_fused)),
     ("collection step, fused RowWiseAdagrad (4 x 8 mod shards) / nn.EmbeddingBag + Adagrad", timed(collection_fused)),
     ("collection forward (4 x 8 mod shards) / nn.EmbeddingBag", timed(collection_forward)),
+    ("collection forward, fused (4 x 8 mod shards) / nn.EmbeddingBag", timed(collection_forward_fused)),
     ("bag forward, int8 (8 shards) / nn.EmbeddingBag fp32", timed(quantized_bag)),
     ("2 ranks fwd+bwd, dense / one process", distributed("dense")),
     ("2 ranks fwd+bwd, sparse / one process", distributed("sparse")),

@@ -258,3 +258,33 @@ def test_rows_stay_put_where_a_tensor_of_someone_else_holds_them() -> None:
     assert not model.embedding_bags["e"].store.interleaved
     assert all(torch.equal(x, p) for x, p in zip(snapshot, model.embedding_bags["a"].shards, strict=True))
     h.remove()
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_a_sequence_collection_trains_the_same_with_its_mod_tables_row_by_row(sparse) -> None:
+    def run(fused: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        configs = {
+            "a": TableConfig(64, DIM, 8, "mod"),
+            "b": TableConfig(30, DIM, 3, "mod"),
+            "c": TableConfig(50, DIM, 4),
+        }
+        model = shardvar.EmbeddingCollection(configs, sparse=sparse)
+        opt = so.RowWiseAdam(model, lr=0.05)
+        if fused:
+            so.fuse(opt)
+            assert [t.store.interleaved for t in model.embeddings.values()] == [True, True, False]
+        g = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            ids = {k: torch.randint(0, c.num_embeddings, (20,), generator=g) for k, c in configs.items()}
+            out = model(ids, dict.fromkeys(configs, torch.arange(0, 20, 5)))
+            sum(
+                (x.values * torch.linspace(-1, 1, x.values.numel()).view_as(x.values)).sum() for x in out.values()
+            ).backward()
+            opt.step()
+            opt.zero_grad()
+        return {k: t.weight.to_tensor().detach() for k, t in model.embeddings.items()}
+
+    plain, fused = run(False), run(True)
+    for k, v in plain.items():
+        torch.testing.assert_close(fused[k], v, atol=1e-6, rtol=0)
