@@ -158,7 +158,15 @@ def jagged_inputs(rank: int, world: int) -> dict:
         except Exception as e:  # the test checks the class and message
             errors[kind] = ([c.__name__ for c in type(e).__mro__], str(e))
     out = ebc(*mixed_batch(rank))
-    return {"errors": errors, "groups": ebc.groups, "weighted": {k: v.detach() for k, v in out.items()}}
+    sequence = DistributedEmbeddingCollection(MIXED, placement={"3": "replicate"})  # the sequence twin alike
+    sequence_errors = {}
+    for kind, (fields, _, _) in bad_jagged().items():
+        try:
+            sequence(unchecked(fields))
+        except Exception as e:  # the test checks the class and message
+            sequence_errors[kind] = ([c.__name__ for c in type(e).__mro__], str(e))
+    weighted = {k: v.detach() for k, v in out.items()}
+    return {"errors": errors, "sequence_errors": sequence_errors, "groups": ebc.groups, "weighted": weighted}
 
 
 SHARED = {  # a row-sharded table serving two features, one serving one, a replicated table serving two
@@ -233,10 +241,40 @@ def train_sequence(rank: int, world: int, path: str) -> dict:
     return {"calls": calls, "groups": ec.groups, "lengths": {f: rows.lengths for f, rows in out.items()}}
 
 
+def sequence_steps(rank: int, world: int, path: str) -> dict:
+    """Whole steps (forward and backward) of the sequence twin trained by the fused RowWiseAdagrad (the
+    example's set-up): all_to_alls per step against one table's, and the bytes a table's second feature adds."""
+    ec = DistributedEmbeddingCollection(
+        SEQUENCE, placement={"item": "table", "ctx": "replicate"}, sparse=True, initializer=RowInitializer(5)
+    )
+    shardvar.optim.fuse(shardvar.optim.RowWiseAdagrad(ec, lr=0.1))
+    steps = []
+    for step in range(2):
+        before = all_to_alls(ec)
+        out = ec(sequence_batch(rank, step))
+        sum((rows.values * (i + 1)).pow(2).sum() for i, rows in enumerate(out.values())).backward()
+        steps.append(all_to_alls(ec) - before)
+    shardvar.distributed.save({"model": ec}, f"{path}/sequence_fused")
+    ids = torch.arange(10 * rank, 10 * rank + 12).reshape(4, 3)  # ids of both ranks' shards
+    one_table, sent = [], []
+    for features in (("query",), ("query", "candidate")):
+        one = DistributedEmbeddingCollection(
+            {"user": TableConfig(30, 4, 3, "mod", feature_names=features)}, sparse=True
+        )
+        before, sent_before = all_to_alls(one), bytes_sent(one)
+        out = one(dict.fromkeys(features, ids))
+        forward = bytes_sent(one) - sent_before
+        sum(rows.values.pow(2).sum() for rows in out.values()).backward()
+        one_table.append(all_to_alls(one) - before)
+        sent.append((forward, bytes_sent(one) - sent_before - forward))
+    return {"steps": steps, "one_table": one_table, "sent": sent}
+
+
 def distributed_collections(rank: int, world: int, path: str) -> dict:
     """Every distributed collection check of the feature tests in one 2-rank run (one start-up)."""
     return {
         "inputs": jagged_inputs(rank, world),
         "shared": shared_tables(rank, world),
         "sequence": train_sequence(rank, world, path),
+        "sequence_steps": sequence_steps(rank, world, path),
     }

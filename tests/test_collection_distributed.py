@@ -43,11 +43,12 @@ def initial(tables: dict[str, shardvar.TableConfig]) -> dict[str, torch.Tensor]:
 
 def test_bad_inputs_are_refused_on_every_rank_and_weights_for_some_features_weigh_only_those(results) -> None:
     for rank, result in enumerate(r["inputs"] for r in results[0]):
-        assert set(result["errors"]) == set(BAD)
-        for kind, (mro, message) in result["errors"].items():
-            _, error, match = BAD[kind]
-            assert error.__name__ in mro and "ShardvarError" in mro, (kind, mro)
-            assert re.search(match, message), (kind, message)
+        for errors in (result["errors"], result["sequence_errors"]):  # the pooled twin and the sequence twin
+            assert set(errors) == set(BAD)
+            for kind, (mro, message) in errors.items():
+                _, error, match = BAD[kind]
+                assert error.__name__ in mro and "ShardvarError" in mro, (kind, mro)
+                assert re.search(match, message), (kind, message)
         assert result["groups"] == [["0", "1"], ["2"]]  # a weighted table grouped with an unweighted one, and alone
         ids, offsets, weights = mixed_batch(rank)
         tables = initial(MIXED)
@@ -105,5 +106,36 @@ def test_the_sequence_collection_trains_as_one_process_in_one_exchange_and_resto
         }
     )
     shardvar.load({"model": local}, path / "sequence")  # the distributed tables restore into other layouts
+    for t, emb in local.embeddings.items():
+        torch.testing.assert_close(emb.weight.to_tensor(), plain[t].weight.detach(), atol=1e-5, rtol=0)
+
+
+def test_a_sequence_step_costs_one_tables_exchanges_and_a_shared_tables_second_feature_sends_nothing(results) -> None:
+    ranks, path = results
+    for r in ranks:
+        steps = r["sequence_steps"]
+        one_table = steps["one_table"][0]  # one feature of one table: its forward and backward exchanges
+        assert one_table > 0 and steps["steps"] == [one_table, one_table]  # three tables, four features, one group
+        assert steps["one_table"][1] == one_table  # a table's second feature: no exchange of its own
+        assert steps["sent"][1] == steps["sent"][0] and all(b > 0 for b in steps["sent"][0])  # ids, rows, gradients
+    plain = nn.ModuleDict(  # the fused RowWiseAdagrad over the ranks equals one process over both ranks' batches
+        {t: nn.Embedding.from_pretrained(w, freeze=False, sparse=True) for t, w in initial(SEQUENCE).items()}
+    )
+    opt = shardvar.optim.RowWiseAdagrad(plain, lr=0.1)
+    table_of = {"clicks": "history", "views": "history", "item": "item", "ctx": "ctx"}
+    for step in range(2):
+        for rank in range(2):
+            batch = sequence_batch(rank, step)
+            ids, _, _ = batch.split()
+            sum((plain[table_of[f]](ids[f]) * (i + 1)).pow(2).sum() for i, f in enumerate(batch.keys)).backward()
+        opt.step()
+        opt.zero_grad()
+    local = shardvar.EmbeddingCollection(
+        {
+            t: shardvar.TableConfig(c.num_embeddings, c.embedding_dim, feature_names=c.feature_names)
+            for t, c in SEQUENCE.items()
+        }
+    )
+    shardvar.load({"model": local}, path / "sequence_fused")
     for t, emb in local.embeddings.items():
         torch.testing.assert_close(emb.weight.to_tensor(), plain[t].weight.detach(), atol=1e-5, rtol=0)
