@@ -270,6 +270,33 @@ def sequence_steps(rank: int, world: int, path: str) -> dict:
     return {"steps": steps, "one_table": one_table, "sent": sent}
 
 
+def optimizer_checkpoints(rank: int, world: int, path: str) -> dict[str, str]:
+    """A table optimizer's state over each distributed twin, saved and loaded back (the error, or "ok")."""
+    outcomes = {}
+    for cls in (DistributedEmbeddingBagCollection, DistributedEmbeddingCollection):
+        for placement in ({}, {"ctx": "replicate"}):
+
+            def make(cls: type = cls, placement: dict = placement) -> tuple:
+                module = cls(SEQUENCE, placement=placement, sparse=True, initializer=RowInitializer(5))
+                return module, shardvar.optim.RowWiseAdagrad(module, lr=0.1)
+
+            module, opt = make()
+            out = module(sequence_batch(rank, 0))
+            sum((v if cls.pooled else v.values).pow(2).sum() for v in out.values()).backward()
+            opt.step()
+            where = f"{cls.__name__} {sorted(placement.values()) or ['row']}"
+            try:  # collective, and agreed: every rank raises alike
+                shardvar.distributed.save({"model": module, "opt": opt}, f"{path}/opt/{len(outcomes)}")
+                again, again_opt = make()
+                shardvar.distributed.load({"model": again, "opt": again_opt}, f"{path}/opt/{len(outcomes)}")
+                saved, loaded = opt.state_dict()["state"], again_opt.state_dict()["state"]
+                same = saved.keys() == loaded.keys() and all(torch.equal(v, loaded[k]) for k, v in saved.items())
+                outcomes[where] = "ok" if same else "restored other values"
+            except shardvar.ShardvarError as e:
+                outcomes[where] = f"{type(e).__name__}: {e}"
+    return outcomes
+
+
 def distributed_collections(rank: int, world: int, path: str) -> dict:
     """Every distributed collection check of the feature tests in one 2-rank run (one start-up)."""
     return {
@@ -277,4 +304,5 @@ def distributed_collections(rank: int, world: int, path: str) -> dict:
         "shared": shared_tables(rank, world),
         "sequence": train_sequence(rank, world, path),
         "sequence_steps": sequence_steps(rank, world, path),
+        "optimizer_checkpoints": optimizer_checkpoints(rank, world, path),
     }
