@@ -158,7 +158,15 @@ def jagged_inputs(rank: int, world: int) -> dict:
         except Exception as e:  # the test checks the class and message
             errors[kind] = ([c.__name__ for c in type(e).__mro__], str(e))
     out = ebc(*mixed_batch(rank))
-    return {"errors": errors, "groups": ebc.groups, "weighted": {k: v.detach() for k, v in out.items()}}
+    sequence = DistributedEmbeddingCollection(MIXED, placement={"3": "replicate"})  # the sequence twin alike
+    sequence_errors = {}
+    for kind, (fields, _, _) in bad_jagged().items():
+        try:
+            sequence(unchecked(fields))
+        except Exception as e:  # the test checks the class and message
+            sequence_errors[kind] = ([c.__name__ for c in type(e).__mro__], str(e))
+    weighted = {k: v.detach() for k, v in out.items()}
+    return {"errors": errors, "sequence_errors": sequence_errors, "groups": ebc.groups, "weighted": weighted}
 
 
 SHARED = {  # a row-sharded table serving two features, one serving one, a replicated table serving two
@@ -233,10 +241,81 @@ def train_sequence(rank: int, world: int, path: str) -> dict:
     return {"calls": calls, "groups": ec.groups, "lengths": {f: rows.lengths for f, rows in out.items()}}
 
 
+def sequence_steps(rank: int, world: int, path: str) -> dict:
+    """Whole steps (forward and backward) of the sequence twin trained by the fused RowWiseAdagrad (the
+    example's set-up): all_to_alls per step against one table's, and the bytes a table's second feature adds."""
+    ec = DistributedEmbeddingCollection(
+        SEQUENCE, placement={"item": "table", "ctx": "replicate"}, sparse=True, initializer=RowInitializer(5)
+    )
+    shardvar.optim.fuse(shardvar.optim.RowWiseAdagrad(ec, lr=0.1))
+    steps = []
+    for step in range(2):
+        before = all_to_alls(ec)
+        out = ec(sequence_batch(rank, step))
+        sum((rows.values * (i + 1)).pow(2).sum() for i, rows in enumerate(out.values())).backward()
+        steps.append(all_to_alls(ec) - before)
+    shardvar.distributed.save({"model": ec}, f"{path}/sequence_fused")
+    ids = torch.arange(10 * rank, 10 * rank + 12).reshape(4, 3)  # ids of both ranks' shards
+    one_table, sent = [], []
+    for features in (("query",), ("query", "candidate")):
+        one = DistributedEmbeddingCollection(
+            {"user": TableConfig(30, 4, 3, "mod", feature_names=features)}, sparse=True
+        )
+        before, sent_before = all_to_alls(one), bytes_sent(one)
+        out = one(dict.fromkeys(features, ids))
+        forward = bytes_sent(one) - sent_before
+        sum(rows.values.pow(2).sum() for rows in out.values()).backward()
+        one_table.append(all_to_alls(one) - before)
+        sent.append((forward, bytes_sent(one) - sent_before - forward))
+    return {"steps": steps, "one_table": one_table, "sent": sent}
+
+
+def _local_state(opt: shardvar.optim.RowWiseAdagrad) -> dict[str, torch.Tensor]:
+    """This rank's part of a table optimizer's state, by variable and shard."""
+    out = {}
+    for name, v in opt.sharded_variables().items():
+        for s, t in {0: v}.items() if isinstance(v, torch.Tensor) else v.local_shards().items():
+            out[f"{name}#{s}"] = t.detach().clone()
+    return out
+
+
+def optimizer_checkpoints(rank: int, world: int, path: str) -> dict[str, str]:
+    """A table optimizer's state over each distributed twin, saved and loaded back (the error, or "ok")."""
+    outcomes = {}
+    for cls in (DistributedEmbeddingBagCollection, DistributedEmbeddingCollection):
+        for placement in ({}, {"item": "table", "ctx": "replicate"}):  # then one rank holds none of "item"
+
+            def make(cls: type = cls, placement: dict = placement) -> tuple:
+                module = cls(SEQUENCE, placement=placement, sparse=True, initializer=RowInitializer(5))
+                return module, shardvar.optim.RowWiseAdagrad(module, lr=0.1)
+
+            module, opt = make()
+            out = module(sequence_batch(rank, 0))
+            sum((v if cls.pooled else v.values).pow(2).sum() for v in out.values()).backward()
+            opt.step()
+            where = f"{cls.__name__} {sorted(placement.values()) or ['row']}"
+            try:  # collective, and agreed: every rank raises alike
+                shardvar.distributed.save({"model": module, "opt": opt}, f"{path}/opt/{len(outcomes)}")
+                again, again_opt = make()
+                shardvar.distributed.load({"model": again, "opt": again_opt}, f"{path}/opt/{len(outcomes)}")
+                saved, loaded = _local_state(opt), _local_state(again_opt)
+                same = saved.keys() == loaded.keys() and all(torch.equal(v, loaded[k]) for k, v in saved.items())
+                outcomes[where] = "ok" if same else "restored other values"
+            except shardvar.ShardvarError as e:
+                outcomes[where] = f"{type(e).__name__}: {e}"
+    try:  # a state dict holds whole tensors, which no rank has
+        opt.state_dict()
+    except shardvar.ShardvarValueError as e:
+        outcomes["state_dict"] = str(e)
+    return outcomes
+
+
 def distributed_collections(rank: int, world: int, path: str) -> dict:
     """Every distributed collection check of the feature tests in one 2-rank run (one start-up)."""
     return {
         "inputs": jagged_inputs(rank, world),
         "shared": shared_tables(rank, world),
         "sequence": train_sequence(rank, world, path),
+        "sequence_steps": sequence_steps(rank, world, path),
+        "optimizer_checkpoints": optimizer_checkpoints(rank, world, path),
     }

@@ -43,11 +43,12 @@ def initial(tables: dict[str, shardvar.TableConfig]) -> dict[str, torch.Tensor]:
 
 def test_bad_inputs_are_refused_on_every_rank_and_weights_for_some_features_weigh_only_those(results) -> None:
     for rank, result in enumerate(r["inputs"] for r in results[0]):
-        assert set(result["errors"]) == set(BAD)
-        for kind, (mro, message) in result["errors"].items():
-            _, error, match = BAD[kind]
-            assert error.__name__ in mro and "ShardvarError" in mro, (kind, mro)
-            assert re.search(match, message), (kind, message)
+        for errors in (result["errors"], result["sequence_errors"]):  # the pooled twin and the sequence twin
+            assert set(errors) == set(BAD)
+            for kind, (mro, message) in errors.items():
+                _, error, match = BAD[kind]
+                assert error.__name__ in mro and "ShardvarError" in mro, (kind, mro)
+                assert re.search(match, message), (kind, message)
         assert result["groups"] == [["0", "1"], ["2"]]  # a weighted table grouped with an unweighted one, and alone
         ids, offsets, weights = mixed_batch(rank)
         tables = initial(MIXED)
@@ -107,3 +108,71 @@ def test_the_sequence_collection_trains_as_one_process_in_one_exchange_and_resto
     shardvar.load({"model": local}, path / "sequence")  # the distributed tables restore into other layouts
     for t, emb in local.embeddings.items():
         torch.testing.assert_close(emb.weight.to_tensor(), plain[t].weight.detach(), atol=1e-5, rtol=0)
+
+
+def test_a_sequence_step_costs_one_tables_exchanges_and_a_shared_tables_second_feature_sends_nothing(results) -> None:
+    ranks, path = results
+    for r in ranks:
+        steps = r["sequence_steps"]
+        one_table = steps["one_table"][0]  # one feature of one table: its forward and backward exchanges
+        assert one_table > 0 and steps["steps"] == [one_table, one_table]  # three tables, four features, one group
+        assert steps["one_table"][1] == one_table  # a table's second feature: no exchange of its own
+        assert steps["sent"][1] == steps["sent"][0] and all(b > 0 for b in steps["sent"][0])  # ids, rows, gradients
+    plain = nn.ModuleDict(  # the fused RowWiseAdagrad over the ranks equals one process over both ranks' batches
+        {t: nn.Embedding.from_pretrained(w, freeze=False, sparse=True) for t, w in initial(SEQUENCE).items()}
+    )
+    opt = shardvar.optim.RowWiseAdagrad(plain, lr=0.1)
+    table_of = {"clicks": "history", "views": "history", "item": "item", "ctx": "ctx"}
+    for step in range(2):
+        for rank in range(2):
+            batch = sequence_batch(rank, step)
+            ids, _, _ = batch.split()
+            sum((plain[table_of[f]](ids[f]) * (i + 1)).pow(2).sum() for i, f in enumerate(batch.keys)).backward()
+        opt.step()
+        opt.zero_grad()
+    local = shardvar.EmbeddingCollection(
+        {
+            t: shardvar.TableConfig(c.num_embeddings, c.embedding_dim, feature_names=c.feature_names)
+            for t, c in SEQUENCE.items()
+        }
+    )
+    shardvar.load({"model": local}, path / "sequence_fused")
+    for t, emb in local.embeddings.items():
+        torch.testing.assert_close(emb.weight.to_tensor(), plain[t].weight.detach(), atol=1e-5, rtol=0)
+
+
+def test_a_table_optimizers_state_over_a_distributed_collection_reshards_into_one_process(results) -> None:
+    ranks, path = results
+    for rank, r in enumerate(ranks):  # saved by every rank and loaded back; a replicated table's state written once
+        outcomes = dict(r["optimizer_checkpoints"])
+        shards = "[0, 2]" if rank == 0 else "[1]"  # of "history"'s 3 mod shards
+        assert re.search(
+            rf"'embeddings.history.weight/sum' is distributed: this process holds shards {re.escape(shards)} of 3",
+            outcomes.pop("state_dict"),
+        )
+        assert outcomes == dict.fromkeys(outcomes, "ok"), outcomes
+    table_of = {"clicks": "history", "views": "history", "item": "item", "ctx": "ctx"}
+    for i, pooled in enumerate([True, True, False, False]):  # the worker's order: each twin, two placements
+        weights = {t: w.requires_grad_() for t, w in initial(SEQUENCE).items()}  # one step of both ranks' loss
+        loss = 0
+        for rank in range(2):
+            ids, offsets, _ = sequence_batch(rank, 0).split()
+            for f, x in ids.items():
+                w = weights[table_of[f]]
+                rows = F.embedding_bag(x, w, offsets[f], mode="sum") if pooled else F.embedding(x, w)
+                loss = loss + rows.pow(2).sum()
+        loss.backward()
+        configs = {  # one process, other layouts: 2 div shards per table
+            t: shardvar.TableConfig(c.num_embeddings, c.embedding_dim, 2, "div", feature_names=c.feature_names)
+            for t, c in SEQUENCE.items()
+        }
+        local = (shardvar.EmbeddingBagCollection if pooled else shardvar.EmbeddingCollection)(configs, sparse=True)
+        opt = shardvar.optim.RowWiseAdagrad(local, lr=0.1)
+        shardvar.load({"model": local, "opt": opt}, path / "opt" / str(i))
+        for t, w in weights.items():
+            name = f"{'embedding_bags' if pooled else 'embeddings'}.{t}.weight"
+            want_sum = w.grad.pow(2).mean(1)  # row-wise Adagrad's accumulator after one step
+            torch.testing.assert_close(opt.state_dict()["state"][f"{name}/sum"], want_sum, atol=1e-5, rtol=1e-5)
+            want = w.detach() - 0.1 * w.grad / (want_sum.sqrt() + 1e-10)[:, None]
+            torch.testing.assert_close(local.state_dict()[name], want, atol=1e-5, rtol=0)
+            assert int(opt.state_dict()["state"][f"{name}/step"]) == 1, (i, t)

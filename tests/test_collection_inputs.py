@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import shardvar
 from dist_collection_workers import bad_jagged, unchecked
-from shardvar import EmbeddingBagCollection, KeyedJagged, ShardedEmbeddingBag, TableConfig
+from shardvar import EmbeddingBagCollection, EmbeddingCollection, KeyedJagged, ShardedEmbeddingBag, TableConfig
 from shardvar.nn import EmbeddingBagDict, EmbeddingBagList
 
 BAD = bad_jagged()
@@ -24,6 +24,7 @@ ENTRY_POINTS = {
     "EmbeddingBagCollection": lambda w: EmbeddingBagCollection(
         {"0": TableConfig(7, 4, 2, "mod"), "1": TableConfig(7, w)}
     ),
+    "EmbeddingCollection": lambda w: EmbeddingCollection({"0": TableConfig(7, 4, 2, "mod"), "1": TableConfig(7, w)}),
     "EmbeddingBagDict": lambda w: EmbeddingBagDict(dict(zip("01", _bags(w), strict=True))),
     "EmbeddingBagList": lambda w: EmbeddingBagList(_bags(w)),
 }
@@ -50,6 +51,29 @@ def test_every_entry_point_refuses_every_bad_kind_before_any_lookup(entry, group
         with pytest.raises(error, match=match) as caught:
             module(unchecked(fields))
         assert isinstance(caught.value, shardvar.ShardvarError), kind
+
+
+@pytest.mark.parametrize("grouping", WIDTHS)
+@pytest.mark.parametrize("kind", [EmbeddingBagCollection, EmbeddingCollection])
+def test_a_refused_batch_leaves_tables_gradients_and_fused_state_as_they_were(kind, grouping) -> None:
+    module = kind({"0": TableConfig(7, 4, 2, "mod"), "1": TableConfig(7, WIDTHS[grouping])}, sparse=True)
+    opt = shardvar.optim.RowWiseAdagrad(module, lr=0.1)
+    shardvar.optim.fuse(opt)
+    good = KeyedJagged(("0", "1"), torch.tensor([1, 2, 3, 4, 5]), torch.tensor([[2, 1], [0, 2]]))
+    out = module(good)
+    sum((v.values if kind is EmbeddingCollection else v).pow(2).sum() for v in out.values()).backward()  # a step
+    tables = {k: v.clone() for k, v in module.state_dict().items()}
+    state = {k: v.clone() for k, v in opt.state_dict()["state"].items()}
+    for kind_of_bad, (fields, error, _) in BAD.items():
+        kept = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
+        with pytest.raises(error):
+            module(unchecked(fields))
+        for k, v in fields.items():  # the batch itself is not rewritten (a meta tensor holds nothing to compare)
+            same = v == kept[k] if not isinstance(v, torch.Tensor) else v.is_meta or torch.equal(v, kept[k])
+            assert same, (kind_of_bad, k)
+    assert all(torch.equal(v, tables[k]) for k, v in module.state_dict().items())
+    assert all(torch.equal(v, state[k]) for k, v in opt.state_dict()["state"].items())
+    assert all(p.grad is None for p in module.parameters())  # nothing reached backward
 
 
 def test_tensors_written_in_place_after_construction_are_checked_again() -> None:

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import shardvar
@@ -126,6 +127,72 @@ def test_fused_row_wise_adagrad_trains_and_the_state_reshards_through_a_checkpoi
         assert torch.equal(other_opt.state_dict()["state"][f"embeddings.{t}.weight/sum"], want)
 
 
+def row_wise_step(kind: str, table: torch.Tensor, state: dict, grad: torch.Tensor, step: int, lr: float) -> None:
+    """The row-wise rule in plain torch: one accumulator per row (the mean squared gradient of the row);
+    a sparse gradient touches its rows only, a dense one every row."""
+    rows = grad.coalesce().indices()[0] if grad.is_sparse else torch.arange(table.shape[0])
+    g = grad.to_dense()[rows]
+    if kind == "RowWiseAdagrad":
+        state["sum"][rows] += g.pow(2).mean(1)
+        table[rows] -= lr * g / (state["sum"][rows].sqrt() + 1e-10)[:, None]
+        return
+    state["m"][rows] = 0.9 * state["m"][rows] + 0.1 * g
+    state["v"][rows] = 0.999 * state["v"][rows] + 0.001 * g.pow(2).mean(1)
+    denom = state["v"][rows].sqrt() / (1 - 0.999**step) ** 0.5 + 1e-8
+    table[rows] -= lr / (1 - 0.9**step) * state["m"][rows] / denom[:, None]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("kind", ["RowWiseAdagrad", "RowWiseAdam"])
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("grouping", WIDTHS)
+def test_row_wise_optimizers_fused_or_not_follow_the_row_wise_rule(grouping, sparse, kind, fused) -> None:
+    ec, _ = twins(grouping, sparse)
+    tables = {t: e.weight.to_tensor().detach().clone() for t, e in ec.embeddings.items()}
+    state = {t: {"sum": torch.zeros(n), "m": torch.zeros_like(tables[t]), "v": torch.zeros(n)} for t, n in ROWS.items()}
+    opt = getattr(so, kind)(ec, lr=0.1)
+    if fused:
+        so.fuse(opt)  # the rows change inside backward
+    for step in range(1, 4):
+        batch = jagged(step)
+        sum((rows.values * (i + 1)).pow(2).sum() for i, rows in enumerate(ec(batch).values())).backward()
+        if not fused:
+            opt.step()
+            opt.zero_grad()
+        ids, _, _ = batch.split()
+        leaves = {t: w.clone().requires_grad_() for t, w in tables.items()}
+        features = enumerate(batch.keys)  # a table's two features: their gradients summed, one update
+        sum(
+            (F.embedding(ids[f], leaves[ec.feature_tables[f]], sparse=sparse) * (i + 1)).pow(2).sum()
+            for i, f in features
+        ).backward()
+        for t, leaf in leaves.items():
+            row_wise_step(kind, tables[t], state[t], leaf.grad, step, 0.1)
+    for t, emb in ec.embeddings.items():
+        torch.testing.assert_close(emb.weight.to_tensor(), tables[t], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("grouping", WIDTHS)
+def test_row_wise_adam_state_reshards_and_training_goes_on_as_before(tmp_path, grouping) -> None:
+    ec, _ = twins(grouping, sparse=True)
+    opt = so.RowWiseAdam(ec, lr=0.05)
+    for step in range(2):
+        sum(rows.values.pow(2).sum() for rows in ec(jagged(step)).values()).backward()
+        opt.step()
+        opt.zero_grad()
+    shardvar.save({"model": ec, "opt": opt}, tmp_path)
+    other = EmbeddingCollection(tables(grouping, 2, "div"), sparse=True)  # 3 mod shards -> 2 div shards
+    other_opt = so.RowWiseAdam(other, lr=0.05)
+    shardvar.load({"model": other, "opt": other_opt}, tmp_path)
+    for module, optimizer in ((ec, opt), (other, other_opt)):  # moments and step counts came along: the same steps
+        for step in range(2, 4):
+            sum(rows.values.pow(2).sum() for rows in module(jagged(step)).values()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for t, emb in ec.embeddings.items():
+        torch.testing.assert_close(other.embeddings[t].weight.to_tensor(), emb.weight.to_tensor(), atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize(
     ("call", "error", "match"),
     [
@@ -170,3 +237,24 @@ def test_partition_model_makes_a_models_dict_of_embeddings_a_sequence_collection
         out["item"].values, stock.tables.item(torch.tensor([2, 29]))
     )
     torch.testing.assert_close(out["bag"], stock.tables.bag(torch.tensor([8]), torch.tensor([0, 0])))
+
+
+def test_a_plan_partitions_a_models_dict_of_embeddings_into_a_sequence_collection() -> None:
+    from shardvar.transform import plan
+
+    model = nn.Module()
+    model.tables = nn.ModuleDict(
+        {"clicks": nn.Embedding(4000, 16), "item": nn.Embedding(3000, 16), "ctx": nn.Embedding(50, 8)}
+    )
+    stock = copy.deepcopy(model)
+    p = plan(model, {"cpu:0": 300_000, "cpu:1": 200_000}, min_split_bytes=0)  # too big for one device: split
+    shardvar.partition_model(model, p, collections=["tables"])
+    for name in ("clicks", "item"):
+        assert model.tables[name].layout.sizes == p.strategy[f"tables.{name}.weight"].partitioner.sizes
+    assert len(model.tables._groups) == 2 and model.tables._groups[0][0] == ["clicks", "item"]  # by width
+    batch = KeyedJagged(("clicks", "ctx"), torch.tensor([1, 3999, 5, 49]), torch.tensor([[2, 1], [0, 1]]))
+    out = model.tables(batch)
+    assert torch.equal(out["clicks"].values, stock.tables.clicks(torch.tensor([1, 3999, 5])))
+    assert torch.equal(out["ctx"].values, stock.tables.ctx(torch.tensor([49])))
+    assert out["ctx"].lengths.tolist() == [0, 1]
+    assert list(model.state_dict()) == list(stock.state_dict())

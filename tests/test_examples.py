@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 from distributed import free_port
 
@@ -105,3 +107,23 @@ def test_sequence_model_example_learns_and_its_table_restores_into_a_plain_embed
     other = shardvar.EmbeddingCollection({"item": shardvar.TableConfig(400, 16, 3, "div", feature_names=["history"])})
     shardvar.load({"model": other}, tmp_path / "ck")  # and into another layout
     assert torch.equal(other.embeddings["item"].weight.to_tensor(), plain["embeddings"]["item"].weight)
+
+
+@pytest.mark.slow
+def test_sequence_model_example_trains_on_two_processes_and_restores_into_one(tmp_path) -> None:
+    # Its torchrun mode: the table a DistributedEmbeddingCollection (fused RowWiseAdagrad), the dense layers DDP.
+    import torch
+    from torch import nn
+
+    import shardvar
+
+    script = [str(ROOT / "examples" / "sequence_model.py"), "--steps", "60", "--save", str(tmp_path / "ck")]
+    procs = _ranks(2, script)
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out + err
+    first, last = map(float, re.search(r"2 process\(es\), 60 steps: loss (\d\.\d+) -> (\d\.\d+)", outs[0][0]).groups())
+    assert last < first - 0.05, outs[0][0]
+    plain = nn.ModuleDict({"embeddings": nn.ModuleDict({"item": nn.Embedding(400, 16)})})
+    shardvar.load({"model": plain}, tmp_path / "ck")  # the table trained over two ranks, as one plain nn.Embedding
+    assert torch.isfinite(plain["embeddings"]["item"].weight).all()

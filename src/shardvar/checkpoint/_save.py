@@ -139,6 +139,11 @@ def _planned(
     agree(coordinator, error)  # every rank reaches this point, also one whose state failed to plan
     if delta is not None:
         entries, extra["delta"] = delta_entries(delta, coordinator)
-    if coordinator.rank != 0:  # replicated values (plain tensors) are written once, by rank 0
-        entries = [e for e in entries if not e.replicated]
+    if coordinator.world > 1:  # replicated values (plain tensors) are written once, by the first rank holding each
+        held = coordinator.gather([e.name for e in entries if e.replicated])
+        first: dict[str, int] = {}
+        for rank, names in enumerate(held):
+            for name in names:
+                first.setdefault(name, rank)
+        entries = [e for e in entries if not e.replicated or first[e.name] == coordinator.rank]
     return entries, extra, delta

@@ -24,7 +24,7 @@ from ..layout import Layout
 from ..nn import KeyedJagged, TableConfig
 from ..nn._collection import check_tables, feature_map, pack, split_inputs
 from ..nn._jagged import jagged_split
-from ..variables import RowInitializer, ShardsView
+from ..variables import RowInitializer, ShardedVariable, ShardStore
 from ..variables._create import to_layout
 from ._comm import DEFAULT_TIMEOUT, Comm
 from ._module import DistributedEmbedding, DistributedEmbeddingBag
@@ -175,8 +175,10 @@ class DistributedEmbeddingBagCollection(nn.Module):
             bag.set_state_dict_form("sharded")  # this rank's shards; tables are saved by the collection
         self.bags = nn.ModuleList(bags)
 
-    def sharded_variables(self) -> dict[str, ShardsView]:
-        """Each table as one logical variable, named as in the local collection, in its own layout."""
+    def sharded_variables(self) -> dict[str, ShardedVariable]:
+        """Each table as one logical variable, named as in the local collection, in its own layout: this
+        rank's shards of it (the group's own tensors) in a store of the table's, so a table optimizer
+        keeps one state, and one step count, per table, checkpointed under the table's name."""
         out = {}
         for names, bag in zip(self.groups, self.bags, strict=True):
             local, first = bag.store.local_shards(), 0
@@ -184,9 +186,9 @@ class DistributedEmbeddingBagCollection(nn.Module):
                 layout = self.layouts[name]
                 mine = {s: local[first + s] for s in range(layout.num_shards) if first + s in local}
                 cfg = self.configs[name]
-                out[f"{self.prefix}.{name}.weight"] = ShardsView(
-                    layout, (cfg.num_embeddings, cfg.embedding_dim), bag.store.dtype, mine
-                )
+                shape = (cfg.num_embeddings, cfg.embedding_dim)
+                store = ShardStore(layout, shape, mine, dtype=bag.store.dtype, adopt=False)  # the group's memory
+                out[f"{self.prefix}.{name}.weight"] = ShardedVariable.from_store(store)
                 first += layout.num_shards
         return out
 

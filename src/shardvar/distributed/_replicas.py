@@ -62,6 +62,7 @@ class _Table(nn.Module):
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight)
+        self.weight.replicated = True  # whole on every rank: a table optimizer saves its state once (Table.whole)
 
 
 class Replicas:

@@ -174,8 +174,9 @@ class TableOptimizer(torch.optim.Optimizer):
         out: dict[str, ShardsView | torch.Tensor] = {}
         for t in self.tables:
             for slot in self.slots:
-                out[f"{t.name}/{slot}"] = t.slot_variable(slot)
-            out[f"{t.name}/step"] = t.step
+                out[f"{t.name}/{slot}"] = t.checkpointed(slot)
+            if t.store.local_shards():  # a table held elsewhere only: a rank that steps it saves its step count
+                out[f"{t.name}/step"] = t.step
         return out
 
     @property
@@ -252,6 +253,12 @@ class TableOptimizer(torch.optim.Optimizer):
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         state = {}
         for name, v in self.sharded_variables().items():
+            if not isinstance(v, torch.Tensor) and len(v.shards) < v.layout.num_shards:  # not a raw KeyError
+                raise ShardvarValueError(
+                    f"state {name!r} is distributed: this process holds shards {sorted(v.shards)} of "
+                    f"{v.layout.num_shards}, and a state dict holds whole tensors; save the optimizer with "
+                    "shardvar.distributed.save (each rank its shards; it restores into any layout)"
+                )
             state[name] = v.clone() if isinstance(v, torch.Tensor) else v.join()
         return {"param_groups": groups, "state": state}
 

@@ -34,6 +34,10 @@ class Table:
     store: ShardStore
     state: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # slot -> one tensor per group
     step: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+    # A parameter every rank holds whole (marked ``replicated``: a distributed collection's replicated
+    # table): its state is checkpointed as the parameter is, written once, not as every rank's shard 0.
+    whole: bool = False
+    row_wise: dict[str, bool] = field(default_factory=dict)  # slot -> one value per row (else per element)
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -48,16 +52,22 @@ class Table:
                 "tables split by rows (axis 0)"
             )
         tensors = []
+        self.row_wise[slot] = row_wise  # a rank holding none of the table's shards has no tensor to tell
         for g, group in enumerate(self.store.groups):
             rows = self.store.group_rows(g)
             shape = (group.rows,) if row_wise else tuple(rows.shape)
             tensors.append(empty(shape, dtype=rows.dtype, device=rows.device).fill_(fill))
         self.state[slot] = tensors
 
+    def checkpointed(self, slot: str) -> ShardsView | torch.Tensor:
+        """The slot as the checkpoint takes it: a whole table's state tensor itself (a plain tensor, written
+        once in a distributed save), else a sharded object in the table's layout (each rank its shards)."""
+        return self.state[slot][0] if self.whole else self.slot_variable(slot)
+
     def slot_variable(self, slot: str) -> ShardsView:
         """The slot as a sharded object in the table's layout (views of the state tensors)."""
         store, layout = self.store, self.store.layout
-        shards, row_wise = {}, self.state[slot][0].dim() == 1
+        shards, row_wise = {}, self.row_wise[slot]
         for g, group in enumerate(store.groups):
             state = self.state[slot][g]
             if not row_wise:
@@ -67,7 +77,7 @@ class Table:
                 size = layout.sizes[s]
                 shards[s] = state[first : first + step * (size - 1) + 1 : step] if size else state[first:first]
         shape = (layout.num_rows,) if row_wise else tuple(store.shape)
-        return ShardsView(layout, shape, self.state[slot][0].dtype, shards)
+        return ShardsView(layout, shape, self.store.dtype, shards)
 
 
 def _plain(name: str, p: torch.Tensor) -> Table:
@@ -75,7 +85,7 @@ def _plain(name: str, p: torch.Tensor) -> Table:
         raise ShardvarTypeError(f"parameter {name!r} must be a leaf tensor (an nn.Parameter); got {type(p).__name__}")
     if p.dim() == 0:
         raise ShardvarValueError(f"parameter {name!r} is 0-d; table optimizers update tensors with rows")
-    return Table(name, ShardedVariable([p]).store)
+    return Table(name, ShardedVariable([p]).store, whole=getattr(p, "replicated", False) is True)
 
 
 def _from_module(module: nn.Module, prefix: str) -> list[Table]:
@@ -83,7 +93,7 @@ def _from_module(module: nn.Module, prefix: str) -> list[Table]:
     for mod_name, sub in module.named_modules():
         for local, value in sharded_parameters(sub, recurse=False).items():
             store = getattr(value, "store", None)
-            if store is None:  # a view without a store (a distributed collection's table): its shards below
+            if store is None:  # a view without a store of its own: its shards are found below, as parameters
                 continue
             name = f"{mod_name}.{local}" if mod_name else local
             if getattr(value, "packed", None) is not None:  # the checkpoint protocol's mark of packed rows
