@@ -87,6 +87,7 @@ def _eligible(store: ShardStore, order: str) -> bool:
         and layout.axis == 0
         and layout.num_rows % n == 0
         and store.exchange is None
+        and store.adopt  # a store told not to move its shards' memory (a view over another's) keeps it
         and store.is_complete
         and store.full_slab is not None
         and store.width > 0
