@@ -288,3 +288,16 @@ def test_a_sequence_collection_trains_the_same_with_its_mod_tables_row_by_row(sp
     plain, fused = run(False), run(True)
     for k, v in plain.items():
         torch.testing.assert_close(fused[k], v, atol=1e-6, rtol=0)
+
+
+def test_remove_warns_when_a_view_keeps_the_rows_interleaved() -> None:
+    model = _collection()
+    handle = so.fuse(so.RowWiseAdagrad(model, lr=0.1))
+    kept = model.state_dict()  # the logical table of a table laid row by row is a view of its memory
+    with pytest.warns(UserWarning, match="stays laid row by row"):
+        handle.remove()
+    assert model.embedding_bags["a"].store.interleaved
+    del kept
+    so.fuse(so.RowWiseAdagrad(model, lr=0.1)).remove()  # as the warning says: fused and removed again
+    assert not model.embedding_bags["a"].store.interleaved
+    assert all(p.is_contiguous() for p in model.embedding_bags["a"].shards)

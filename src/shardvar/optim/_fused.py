@@ -20,12 +20,14 @@ A fused optimizer owns its tables' updates, so it also lays each local mod table
 row by row in logical order (shard ``s`` the rows ``s, s + n, ...`` of the table's memory, its
 state alike; :mod:`shardvar.variables._relayout`): a lookup's ids are then its rows, with no
 arithmetic and no range check of its own. ``remove()`` lays them back to back again: torch's
-sparse optimizers cannot update strided shards. As after ``module.to()``, a tensor that viewed a
-shard's memory before ``fuse`` (or ``remove``) no longer sees the shard.
+sparse optimizers cannot update strided shards. Rows move only while no tensor but shardvar's own
+holds the table's memory (a view of a shard, a kept ``state_dict``, the tensor the shards were cut
+from keep them where they are; ``remove()`` warns when they must stay row by row).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -56,7 +58,13 @@ class FusedHandle:
         for t in self.optimizer.tables:
             t.store.sink = None
         for t in self._interleaved:  # back to contiguous shards, which torch's sparse optimizers can update
-            deinterleave(t.store, _row_state(t))
+            if t.store.interleaved and not deinterleave(t.store, _row_state(t)):
+                warnings.warn(
+                    f"table {t.name!r} stays laid row by row (its shards strided): a tensor other than shardvar's "
+                    "views its memory (a shard's view, a state_dict kept). torch's sparse optimizers cannot update "
+                    "strided shards; let go of that tensor and fuse and remove again to lay them back to back",
+                    stacklevel=2,
+                )
         self._interleaved.clear()
         self.optimizer._fused = None
 
@@ -68,7 +76,8 @@ class FusedHandle:
             if not any(p.requires_grad for p in shards.values()):
                 continue
             if t.store.full_slab is not None and len(t.store.groups) == 1:  # a collection updates it in backward
-                if interleave(t.store, _row_state(t)):  # ids are then its rows: lookups do no arithmetic
+                # Ids are then its rows: no arithmetic. (Left so by an earlier handle: laid back by this one.)
+                if interleave(t.store, _row_state(t)) or t.store.interleaved:
                     self._interleaved.append(t)
                 t.store.sink = self._sink(t, group)
             for g, store_group in enumerate(t.store.groups):
