@@ -178,6 +178,7 @@ class _SparseBags(torch.autograd.Function):
             grad = row_gradient(ctx.parts, rows, offsets, scale, grads, ctx.mode, ctx.shape)
             if grad is not None:  # None: the sinks took every row, as they take an unsharded table's
                 params = (grad,) if ctx.split is None else tuple(ctx.split(grad))
+        ctx.split = None  # the store's rows may move again (see ``variables._autograd.reading``)
         return None, None, None, None, *([None] * (2 * n)), *learned, *params
 
 

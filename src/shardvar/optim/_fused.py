@@ -68,7 +68,9 @@ class FusedHandle:
             if not any(p.requires_grad for p in shards.values()):
                 continue
             if t.store.full_slab is not None and len(t.store.groups) == 1:  # a collection updates it in backward
-                if interleave(t.store, _row_state(t)):  # ids are then its rows: lookups do no arithmetic
+                # Ids are then its rows: lookups do no arithmetic. One left so by an earlier handle (a backward
+                # was pending at its remove) is this one's to lay back.
+                if interleave(t.store, _row_state(t)) or t.store.interleaved:
                     self._interleaved.append(t)
                 t.store.sink = self._sink(t, group)
             for g, store_group in enumerate(t.store.groups):

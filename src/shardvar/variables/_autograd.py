@@ -28,6 +28,19 @@ def _ordered(store: ShardStore, grads: dict[int, torch.Tensor]) -> tuple[torch.T
     return tuple(grads.get(s) for s in store.local_shards())
 
 
+class _Reading:
+    __slots__ = ("__weakref__",)
+
+
+def reading(store: ShardStore, token: Any = None) -> Any:
+    """A token (``token``, or a new one) that a backward holds until it runs: while it lives, the
+    store's rows keep their order (``_relayout`` moves none), as the gradient rows it maps assume."""
+    token = _Reading() if token is None else token
+    if not torch.compiler.is_compiling():
+        store.readers.add(token)
+    return token
+
+
 class SlabView(torch.autograd.Function):
     """``SlabView.apply(store, *shards)``: the store's full slab, differentiable into the shards."""
 
@@ -40,6 +53,7 @@ class SlabView(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
         ctx.store = inputs[0]
+        ctx.reading = reading(inputs[0])  # its gradient is split by the slab's rows as they lie now
         # No gradient (an op whose rows all went to a fused update, or an unused output): none for
         # the shards either, as for an unsharded table; not a table-sized zero gradient per shard.
         ctx.set_materialize_grads(False)
@@ -47,6 +61,7 @@ class SlabView(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor | None) -> tuple:
         store: ShardStore = ctx.store
+        ctx.reading = None
         if grad is None:
             return (None,) * (1 + len(store.local_shards()))
         return (None, *shard_grads(store, grad))

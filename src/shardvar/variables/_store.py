@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -95,6 +96,8 @@ class ShardStore:
         # state in that order too): the shards are put so again wherever they are moved.
         self.interleaved = False
         self.companions: tuple[ShardStore, ...] = ()  # other stores over the same memory (a collection's)
+        # Tokens of pending backwards that map gradient rows by the rows' current order: rows stay put meanwhile.
+        self.readers: weakref.WeakSet = weakref.WeakSet()
         self._build()
 
     # -- construction ---------------------------------------------------------------------------

@@ -1,0 +1,101 @@
+"""Hostile cases of mod tables laid row by row by a fused optimizer (variables._relayout): a backward
+pending across ``fuse`` or ``remove``, tensors that view the rows, fusing again. Each is checked
+against the same training without fusing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardvar
+from shardvar import optim as so
+
+ROWS, DIM, SHARDS = 64, 4, 8
+IDS = torch.randint(0, ROWS, (6, 4), generator=torch.Generator().manual_seed(1))
+
+
+def _table(cls: type, sparse: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return cls(ROWS, DIM, SHARDS, "mod", sparse=sparse)
+
+
+def _loss(model: torch.nn.Module) -> torch.Tensor:
+    out = model(IDS)
+    return (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum()
+
+
+def _weight(model: torch.nn.Module) -> torch.Tensor:
+    return model.weight.to_tensor().detach().clone()
+
+
+CASES = [(cls, sparse) for cls in (shardvar.ShardedEmbeddingBag, shardvar.ShardedEmbedding) for sparse in (True, False)]
+
+
+@pytest.mark.parametrize(("cls", "sparse"), CASES)
+def test_a_backward_pending_across_fuse_trains_as_without_fusing(cls, sparse) -> None:
+    plain, fused = _table(cls, sparse), _table(cls, sparse)
+    plain_opt = so.RowWiseAdagrad(plain, lr=0.1)
+    _loss(plain).backward()
+    plain_opt.step()
+    loss = _loss(fused)  # its gradient rows are the slab's rows as they lie now (shards back to back)
+    fused_opt = so.RowWiseAdagrad(fused, lr=0.1)
+    handle = so.fuse(fused_opt)
+    assert not fused.store.interleaved  # the pending backward keeps the rows put
+    loss.backward()
+    torch.testing.assert_close(_weight(fused), _weight(plain), atol=1e-6, rtol=0)
+    handle.remove()
+    handle = so.fuse(fused_opt)  # nothing pending now: laid row by row
+    assert fused.store.interleaved
+    handle.remove()
+
+
+@pytest.mark.parametrize(("cls", "sparse"), CASES)
+def test_a_backward_pending_across_remove_trains_as_without_fusing(cls, sparse) -> None:
+    plain, fused = _table(cls, sparse), _table(cls, sparse)
+    plain_opt, fused_opt = so.RowWiseAdagrad(plain, lr=0.1), so.RowWiseAdagrad(fused, lr=0.1)
+    handle = so.fuse(fused_opt)
+    assert fused.store.interleaved
+    loss = _loss(fused)
+    handle.remove()  # the rows stay row by row until the pending backward has run
+    loss.backward()
+    fused_opt.step()
+    _loss(plain).backward()
+    plain_opt.step()
+    torch.testing.assert_close(_weight(fused), _weight(plain), atol=1e-6, rtol=0)
+    for name, value in plain_opt.state_dict()["state"].items():
+        torch.testing.assert_close(fused_opt.state_dict()["state"][name], value, atol=1e-6, rtol=0)
+    so.fuse(fused_opt).remove()  # a later handle lays them back to back
+    assert not fused.store.interleaved and all(p.is_contiguous() for p in fused.shards)
+
+
+def test_remove_lays_shards_back_to_back_in_new_memory_when_a_view_holds_theirs() -> None:
+    model = shardvar.ShardedEmbeddingBag(4096, DIM, SHARDS, "mod", sparse=True)
+    opt = so.RowWiseAdagrad(model, lr=0.1)
+    handle = so.fuse(opt)
+    assert model.store.interleaved
+    held = model.shards[1].detach()  # the user's view of shard 1
+    values, table = held.clone(), _weight(model)
+    handle.remove()
+    assert torch.equal(held, values) and torch.equal(_weight(model), table)  # nothing scrambled
+    assert not model.store.interleaved and all(p.is_contiguous() for p in model.shards)
+    torch_opt = torch.optim.SparseAdam(list(model.parameters()), lr=0.01)  # needs contiguous shards
+    model(torch.arange(0, 4096, 2), torch.arange(0, 2048, 8)).sum().backward()
+    torch_opt.step()
+    after = _weight(model)
+    assert not torch.equal(table[::2], after[::2]) and torch.equal(table[1::2], after[1::2])
+
+
+@pytest.mark.parametrize("hold", ["fuse", "remove"])
+def test_a_view_of_the_optimizer_state_held_across_fuse_or_remove_keeps_its_values(hold) -> None:
+    model = _table(shardvar.ShardedEmbeddingBag, True)
+    opt = so.Adam(model, lr=0.1)
+    _loss(model).backward()
+    opt.step()
+    handle = so.fuse(opt) if hold == "remove" else None
+    views = opt.sharded_variables()  # views of the state tensors, shard by shard
+    before = {k: v.join().clone() for k, v in views.items() if not isinstance(v, torch.Tensor)}
+    handle = so.fuse(opt) if handle is None else handle.remove()
+    for k, v in before.items():
+        assert torch.equal(views[k].join(), v), k
+    if handle is not None:
+        handle.remove()
