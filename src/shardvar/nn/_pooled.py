@@ -120,7 +120,8 @@ def sparse_pooled(
     shards = _params(store, [tables[n] for n in names], parts)
     try:
         mode = tables[table_of[present[0]]].mode
-        split = reading(store, functools.partial(shard_grads, store))  # its backward maps rows as they lie now
+        # Its backward maps the rows as they lie now: they stay put until it runs, and split by them.
+        split = reading(store, functools.partial(shard_grads, store, group=store.groups[0]))
         pooled = sparse_bags(store.full_slab, mode, parts, (rows, offsets, scale), shards, split)
     except (RuntimeError, IndexError):
         if cpu:

@@ -98,9 +98,12 @@ class FusedHandle:
             self._pending[id(table)] = table
 
     def _sink(self, table: Table, group: dict[str, Any]) -> Any:
+        logical = table.store.logical_slab  # how the rows lie for the lookups that hand theirs over
+
         def take(rows: torch.Tensor, values: torch.Tensor) -> None:  # distinct rows of the table's one slab
             self._begin(table)
             with torch.no_grad():
+                rows = _as_they_lie(table.store, rows, logical)
                 self.optimizer._apply(table, group, 0, rows, values, int(table.step) + 1, True)
 
         return take
@@ -118,6 +121,17 @@ class FusedHandle:
             p.grad = None
 
         return apply
+
+
+def _as_they_lie(store: Any, rows: torch.Tensor, logical: bool) -> torch.Tensor:
+    """Slab ``rows`` read while the table lay in logical order (``logical``) or with its shards back to
+    back, where they lie now: a compiled backward pending across ``remove`` (or ``fuse``), which no
+    token keeps the rows put for, hands over rows read before they moved."""
+    if store.logical_slab == logical:
+        return rows
+    n = store.layout.num_shards
+    q = store.layout.num_rows // n  # only equal mod shards move (see variables._relayout)
+    return store.slab_rows(rows if logical else rows.remainder(q) * n + rows.div(q, rounding_mode="floor"))
 
 
 def _row_state(table: Table) -> list[torch.Tensor]:

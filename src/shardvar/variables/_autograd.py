@@ -19,7 +19,7 @@ import torch
 
 from .._pages import empty
 from ..layout import group_positions
-from ._store import ShardStore
+from ._store import Group, ShardStore
 
 __all__ = ["SlabView", "GatherRows", "gather_local", "shard_grads"]
 
@@ -53,7 +53,8 @@ class SlabView(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
         ctx.store = inputs[0]
-        ctx.reading = reading(inputs[0])  # its gradient is split by the slab's rows as they lie now
+        ctx.reading = reading(inputs[0])  # the slab's rows stay put until backward
+        ctx.group = inputs[0].groups[0]  # and its gradient is split by them as they lie now (also compiled)
         # No gradient (an op whose rows all went to a fused update, or an unused output): none for
         # the shards either, as for an unsharded table; not a table-sized zero gradient per shard.
         ctx.set_materialize_grads(False)
@@ -64,15 +65,16 @@ class SlabView(torch.autograd.Function):
         ctx.reading = None
         if grad is None:
             return (None,) * (1 + len(store.local_shards()))
-        return (None, *shard_grads(store, grad))
+        return (None, *shard_grads(store, grad, ctx.group))
 
 
-def shard_grads(store: ShardStore, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-    """Each local shard's part of the gradient of the store's full slab (dense or sparse), in shard order."""
+def shard_grads(store: ShardStore, grad: torch.Tensor, group: Group | None = None) -> tuple[torch.Tensor | None, ...]:
+    """Each local shard's part of the gradient of the store's full slab (dense or sparse), in shard order;
+    ``group``: the slab's rows as they lay when the gradient's rows were read."""
     if grad.layout == torch.sparse_coo:
-        grads = store.split_sparse_grad(0, grad._indices()[0], grad._values(), grad.is_coalesced())
+        grads = store.split_sparse_grad(0, grad._indices()[0], grad._values(), grad.is_coalesced(), group)
     else:
-        grads = store.split_grad(0, grad)
+        grads = store.split_grad(0, grad, group)
     return _ordered(store, grads)
 
 

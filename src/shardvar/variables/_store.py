@@ -263,9 +263,10 @@ class ShardStore:
         return rows_2d(self._shards[group.members[0]], self.layout.axis)
 
     # -- gradients --------------------------------------------------------------------------------
-    def split_grad(self, g: int, grad: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Group ``g``'s dense ``[rows, width]`` gradient as one gradient per member shard (views)."""
-        group = self.groups[g]
+    def split_grad(self, g: int, grad: torch.Tensor, group: Group | None = None) -> dict[int, torch.Tensor]:
+        """Group ``g``'s dense ``[rows, width]`` gradient as one gradient per member shard (views); ``group``:
+        its rows as they lay when the gradient's rows were read, if they have moved since."""
+        group = self.groups[g] if group is None else group
         out = {}
         for s, first, step in zip(group.members, group.starts, group.steps, strict=True):
             size = self.layout.sizes[s]
@@ -286,7 +287,7 @@ class ShardStore:
         return self.split_grad(g, grad.index_add_(0, rows, values))
 
     def split_sparse_grad(
-        self, g: int, rows: torch.Tensor, values: torch.Tensor, coalesced: bool = False
+        self, g: int, rows: torch.Tensor, values: torch.Tensor, coalesced: bool = False, group: Group | None = None
     ) -> dict[int, torch.Tensor]:
         """Sparse COO gradients per member shard from group rows ``rows`` and their ``values``.
 
@@ -296,7 +297,7 @@ class ShardStore:
         optimizers most of their own ``coalesce()`` (torch's AccumulateGrad drops the coalesced
         flag, but re-sorting distinct sorted rows is cheap: SparseAdam's step 0.7-0.95x torch's).
         """
-        group = self.groups[g]
+        group = self.groups[g] if group is None else group  # as in split_grad
         sizes = [self.layout.sizes[s] for s in group.members]
         interleaved = any(st > 1 for st in group.steps)
         if values.is_floating_point() and rows.numel() and (interleaved or not coalesced):
