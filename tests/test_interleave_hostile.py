@@ -4,6 +4,8 @@ against the same training without fusing."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -144,4 +146,21 @@ def test_a_compiled_backward_pending_across_fuse_splits_its_gradient_by_the_rows
     handle = so.fuse(so.RowWiseAdagrad(fused, lr=0.1))  # nothing in a compiled graph keeps the rows put
     loss.backward()
     torch.testing.assert_close(_weight(fused), _weight(plain), atol=1e-6, rtol=0)
+    handle.remove()
+
+
+def test_a_model_pickles_with_a_backward_pending_and_a_fused_copy_updates_only_itself(tmp_path) -> None:
+    model = _table(shardvar.ShardedEmbeddingBag, True)
+    loss = _loss(model)  # its backward's token is this process's, not the file's
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert torch.equal(_weight(loaded), _weight(model))
+    loss.backward()
+    collection = shardvar.EmbeddingBagCollection({"a": shardvar.TableConfig(ROWS, DIM, SHARDS, "mod")}, sparse=True)
+    handle = so.fuse(so.RowWiseAdagrad(collection, lr=0.1))
+    copied = copy.deepcopy(collection)
+    before = collection.embedding_bags["a"].weight.to_tensor().detach().clone()
+    copied({"a": torch.arange(0, ROWS, 2)}, {"a": torch.arange(0, ROWS // 2, 8)})["a"].sum().backward()
+    assert torch.equal(collection.embedding_bags["a"].weight.to_tensor(), before)  # not the copy's update
+    assert all(p.grad is not None for p in copied.parameters())  # the copy's gradients are its own
     handle.remove()

@@ -173,6 +173,14 @@ class ShardStore:
         self._routes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.recycler = Recycler()  # per-step buffers of lookups and their gradients
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A pending backward's tokens and a fused optimizer's sink belong to this process's objects: a
+        # copy (pickled, or deep-copied with its module) has neither (the sink would update this table).
+        return {**self.__dict__, "readers": None, "sink": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, readers=weakref.WeakSet())
+
     def _interleave(self, members: list[int]) -> bool:
         return self.interleaved and len(members) == self.layout.num_shards
 
