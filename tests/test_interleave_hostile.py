@@ -164,3 +164,15 @@ def test_a_model_pickles_with_a_backward_pending_and_a_fused_copy_updates_only_i
     assert torch.equal(collection.embedding_bags["a"].weight.to_tensor(), before)  # not the copy's update
     assert all(p.grad is not None for p in copied.parameters())  # the copy's gradients are its own
     handle.remove()
+
+
+def test_a_graph_kept_for_a_second_backward_gives_the_same_gradient_twice() -> None:
+    model = shardvar.EmbeddingBagCollection(
+        {"a": shardvar.TableConfig(64, DIM, 8, "mod"), "e": shardvar.TableConfig(96, DIM, 4, "mod")}, sparse=True
+    )
+    ids = {"a": torch.randint(0, 64, (24,)), "e": torch.randint(0, 96, (24,))}
+    loss = sum(v.pow(2).sum() for v in model(ids, dict.fromkeys("ae", torch.arange(0, 24, 4))).values())
+    loss.backward(retain_graph=True)
+    first = [p.grad.to_dense().clone() for p in model.parameters()]
+    loss.backward()  # the backward's token went with the first; its split did not
+    assert all(torch.allclose(p.grad.to_dense(), 2 * g) for p, g in zip(model.parameters(), first, strict=True))

@@ -78,6 +78,17 @@ def shard_grads(store: ShardStore, grad: torch.Tensor, group: Group | None = Non
     return _ordered(store, grads)
 
 
+class SlabSplit:
+    """``split(grad)``: :func:`shard_grads` of a gradient of the store's full slab, split by the slab's
+    rows as they lay when the split was made (when the rows the gradient is of were read)."""
+
+    def __init__(self, store: ShardStore) -> None:
+        self.store, self.group = store, store.groups[0]
+
+    def __call__(self, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return shard_grads(self.store, grad, self.group)
+
+
 def gather_local(store: ShardStore, ids: torch.Tensor, out_device: torch.device) -> torch.Tensor:
     """Rows ``ids`` (1-D, valid, all held locally) as ``[len(ids), width]`` on ``out_device``."""
     group, row = store.route(ids)
