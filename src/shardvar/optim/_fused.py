@@ -20,8 +20,9 @@ A fused optimizer owns its tables' updates, so it also lays each local mod table
 row by row in logical order (shard ``s`` the rows ``s, s + n, ...`` of the table's memory, its
 state alike; :mod:`shardvar.variables._relayout`): a lookup's ids are then its rows, with no
 arithmetic and no range check of its own. ``remove()`` lays them back to back again: torch's
-sparse optimizers cannot update strided shards. As after ``module.to()``, a tensor that viewed a
-shard's memory before ``fuse`` (or ``remove``) no longer sees the shard.
+sparse optimizers cannot update strided shards. A tensor that views a table's memory keeps it from
+being laid row by row; at ``remove()`` it keeps the old memory (as after ``module.to()``, it no
+longer sees the shards). A pending backward keeps the rows put (see ``variables._relayout``).
 """
 
 from __future__ import annotations

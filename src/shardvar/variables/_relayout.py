@@ -9,6 +9,10 @@ lays it back when it lets go (see :mod:`shardvar.optim._fused`).
 
 The rows move in place with a small buffer (1/64 of the table or less): a table-sized copy would
 raise the peak memory of building and training by the table's size.
+
+Nothing moves while a backward that maps the rows as they lie is pending (``ShardStore.readers``:
+tokens its Function holds until it runs). A table someone else's tensor views is not laid row by
+row, and is laid back into new memory, leaving that tensor the old.
 """
 
 from __future__ import annotations
