@@ -32,10 +32,11 @@ class _Reading:
     __slots__ = ("__weakref__",)
 
 
-def reading(store: ShardStore, token: Any = None) -> Any:
-    """A token (``token``, or a new one) that a backward holds until it runs: while it lives, the
-    store's rows keep their order (``_relayout`` moves none), as the gradient rows it maps assume."""
-    token = _Reading() if token is None else token
+def reading(store: ShardStore) -> _Reading:
+    """A token that a backward holds until it runs: while it lives, the store's rows keep their order
+    (``_relayout`` moves none), as the gradient rows it maps assume. (A compiled graph keeps none: its
+    backward splits by the rows as they lay, see SlabSplit.)"""
+    token = _Reading()
     if not torch.compiler.is_compiling():
         store.readers.add(token)
     return token
