@@ -176,3 +176,32 @@ def test_a_graph_kept_for_a_second_backward_gives_the_same_gradient_twice() -> N
     first = [p.grad.to_dense().clone() for p in model.parameters()]
     loss.backward()  # the backward's token went with the first; its split did not
     assert all(torch.allclose(p.grad.to_dense(), 2 * g) for p, g in zip(model.parameters(), first, strict=True))
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_shards_moved_one_by_one_under_a_fused_optimizer_keep_their_rows_and_state_in_step(sparse) -> None:
+    def run(fused: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        configs = {"a": shardvar.TableConfig(64, DIM, 8, "mod"), "e": shardvar.TableConfig(96, DIM, 4, "mod")}
+        model = shardvar.EmbeddingBagCollection(configs, sparse=sparse)
+        opt = so.RowWiseAdam(model, lr=0.05)
+        handle = so.fuse(opt) if fused else None
+        g = torch.Generator().manual_seed(1)
+        for i in range(4):
+            ids = {"a": torch.randint(0, 64, (24,), generator=g), "e": torch.randint(0, 96, (24,), generator=g)}
+            out = model(ids, dict.fromkeys("ae", torch.arange(0, 24, 4)))
+            sum((v * torch.linspace(-1, 1, v.numel()).view_as(v)).sum() for v in out.values()).backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 1:  # each shard into memory of its own, not through module._apply: the group would adopt
+                for p in model.parameters():  # them back to back, the state staying row by row
+                    p.data = p.data.clone()
+        if handle is not None:
+            assert all(t.store.row_order == "logical" for t in model.embedding_bags.values())
+            handle.remove()
+        return [t.weight.to_tensor().detach() for t in model.embedding_bags.values()] + list(
+            opt.state_dict()["state"].values()
+        )
+
+    for want, got in zip(run(False), run(True), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
