@@ -290,14 +290,21 @@ def test_a_sequence_collection_trains_the_same_with_its_mod_tables_row_by_row(sp
         torch.testing.assert_close(fused[k], v, atol=1e-6, rtol=0)
 
 
-def test_remove_warns_when_a_view_keeps_the_rows_interleaved() -> None:
+def test_remove_moves_viewed_rows_to_new_memory_and_warns_while_a_backward_is_pending() -> None:
     model = _collection()
     handle = so.fuse(so.RowWiseAdagrad(model, lr=0.1))
     kept = model.state_dict()  # the logical table of a table laid row by row is a view of its memory
+    before = {k: v.clone() for k, v in kept.items()}
+    handle.remove()  # the suite turns warnings into errors: none here
+    assert not model.embedding_bags["a"].store.interleaved
+    assert all(p.is_contiguous() for p in model.embedding_bags["a"].shards)
+    assert all(torch.equal(kept[k], v) for k, v in before.items())  # the view kept its values
+    handle = so.fuse(so.RowWiseAdagrad(model, lr=0.1))
+    out = model(_batches(1)[0], dict.fromkeys("abcde", torch.arange(0, 24, 4)))  # its backward maps rows as they lie
     with pytest.warns(UserWarning, match="stays laid row by row"):
         handle.remove()
     assert model.embedding_bags["a"].store.interleaved
-    del kept
+    sum(v.sum() for v in out.values()).backward()
     so.fuse(so.RowWiseAdagrad(model, lr=0.1)).remove()  # as the warning says: fused and removed again
     assert not model.embedding_bags["a"].store.interleaved
     assert all(p.is_contiguous() for p in model.embedding_bags["a"].shards)

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..variables._autograd import reading
 from ..variables._distinct import segment_sum, segments, sparse_rows
 
 __all__ = ["Part", "sparse_bag", "sparse_bags"]
@@ -160,6 +161,8 @@ class _SparseBags(torch.autograd.Function):
         ctx.wanted = any(ctx.needs_input_grad[4 + 3 * n :])
         ctx.save_for_backward(*tensors[: 3 * n], weight if any(ctx.learned) else None)
         ctx.mode, ctx.shape, ctx.parts, ctx.split = mode, tuple(weight.shape), parts, split
+        store = getattr(split, "store", None)  # a SlabSplit: the rows stay put until backward
+        ctx.reading = reading(store) if store is not None else None
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -178,6 +181,7 @@ class _SparseBags(torch.autograd.Function):
             grad = row_gradient(ctx.parts, rows, offsets, scale, grads, ctx.mode, ctx.shape)
             if grad is not None:  # None: the sinks took every row, as they take an unsharded table's
                 params = (grad,) if ctx.split is None else tuple(ctx.split(grad))
+        ctx.reading = None  # the store's rows may move again (see ``variables._autograd.reading``)
         return None, None, None, None, *([None] * (2 * n)), *learned, *params
 
 

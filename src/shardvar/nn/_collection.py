@@ -260,6 +260,9 @@ def _lookup_group(
     variable: ShardedVariable | None,
     inputs: tuple[dict, dict, dict],
 ) -> dict[str, torch.Tensor]:
+    for n in names:  # shards moved one by one (``p.data = ...``): a table kept row by row (its optimizer
+        if tables[n]._store.interleaved:  # state in that order) adopts them so, before the group would
+            tables[n].store.refresh()  # adopt them back to back
     store = variable.store if variable is not None else None
     if store is None or store.full_slab is None:  # a table apart, or its shards moved: table by table
         return {f: x for n in names for f, x in _lookup_table(tables[n], n, present, table_of, inputs).items()}

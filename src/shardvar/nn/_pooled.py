@@ -23,7 +23,7 @@ import torch
 
 from ..layout import check_ids
 from ..variables import ShardStore
-from ..variables._autograd import shard_grads
+from ..variables._autograd import SlabSplit
 from ._bag_grad import Part, sparse_bags
 from ._pack import buffer, checked_features, refused
 
@@ -120,7 +120,7 @@ def sparse_pooled(
     shards = _params(store, [tables[n] for n in names], parts)
     try:
         mode = tables[table_of[present[0]]].mode
-        split = functools.partial(shard_grads, store)
+        split = SlabSplit(store)  # its backward maps the rows as they lie now
         pooled = sparse_bags(store.full_slab, mode, parts, (rows, offsets, scale), shards, split)
     except (RuntimeError, IndexError):
         if cpu:

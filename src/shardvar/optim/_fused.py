@@ -20,9 +20,10 @@ A fused optimizer owns its tables' updates, so it also lays each local mod table
 row by row in logical order (shard ``s`` the rows ``s, s + n, ...`` of the table's memory, its
 state alike; :mod:`shardvar.variables._relayout`): a lookup's ids are then its rows, with no
 arithmetic and no range check of its own. ``remove()`` lays them back to back again: torch's
-sparse optimizers cannot update strided shards. Rows move only while no tensor but shardvar's own
-holds the table's memory (a view of a shard, a kept ``state_dict``, the tensor the shards were cut
-from keep them where they are; ``remove()`` warns when they must stay row by row).
+sparse optimizers cannot update strided shards. A tensor that views a table's memory keeps it from
+being laid row by row; at ``remove()`` it keeps the old memory (as after ``module.to()``, it no
+longer sees the shards). A pending backward keeps the rows put (see ``variables._relayout``);
+``remove()`` warns when one keeps a table row by row.
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ class FusedHandle:
         for t in self._interleaved:  # back to contiguous shards, which torch's sparse optimizers can update
             if t.store.interleaved and not deinterleave(t.store, _row_state(t)):
                 warnings.warn(
-                    f"table {t.name!r} stays laid row by row (its shards strided): a tensor other than shardvar's "
-                    "views its memory (a shard's view, a state_dict kept). torch's sparse optimizers cannot update "
-                    "strided shards; let go of that tensor and fuse and remove again to lay them back to back",
+                    f"table {t.name!r} stays laid row by row (its shards strided): a backward that reads its rows "
+                    "is still pending. torch's sparse optimizers cannot update strided shards; run or drop that "
+                    "backward, then fuse and remove again to lay them back to back",
                     stacklevel=2,
                 )
         self._interleaved.clear()
@@ -76,7 +77,8 @@ class FusedHandle:
             if not any(p.requires_grad for p in shards.values()):
                 continue
             if t.store.full_slab is not None and len(t.store.groups) == 1:  # a collection updates it in backward
-                # Ids are then its rows: no arithmetic. (Left so by an earlier handle: laid back by this one.)
+                # Ids are then its rows: lookups do no arithmetic. One left so by an earlier handle (a backward
+                # was pending at its remove) is this one's to lay back.
                 if interleave(t.store, _row_state(t)) or t.store.interleaved:
                     self._interleaved.append(t)
                 t.store.sink = self._sink(t, group)
@@ -105,9 +107,12 @@ class FusedHandle:
             self._pending[id(table)] = table
 
     def _sink(self, table: Table, group: dict[str, Any]) -> Any:
+        logical = table.store.logical_slab  # how the rows lie for the lookups that hand theirs over
+
         def take(rows: torch.Tensor, values: torch.Tensor) -> None:  # distinct rows of the table's one slab
             self._begin(table)
             with torch.no_grad():
+                rows = _as_they_lie(table.store, rows, logical)
                 self.optimizer._apply(table, group, 0, rows, values, int(table.step) + 1, True)
 
         return take
@@ -125,6 +130,17 @@ class FusedHandle:
             p.grad = None
 
         return apply
+
+
+def _as_they_lie(store: Any, rows: torch.Tensor, logical: bool) -> torch.Tensor:
+    """Slab ``rows`` read while the table lay in logical order (``logical``) or with its shards back to
+    back, where they lie now: a compiled backward pending across ``remove`` (or ``fuse``), which no
+    token keeps the rows put for, hands over rows read before they moved."""
+    if store.logical_slab == logical:
+        return rows
+    n = store.layout.num_shards
+    q = store.layout.num_rows // n  # only equal mod shards move (see variables._relayout)
+    return store.slab_rows(rows if logical else rows.remainder(q) * n + rows.div(q, rounding_mode="floor"))
 
 
 def _row_state(table: Table) -> list[torch.Tensor]:

@@ -19,13 +19,27 @@ import torch
 
 from .._pages import empty
 from ..layout import group_positions
-from ._store import ShardStore
+from ._store import Group, ShardStore
 
 __all__ = ["SlabView", "GatherRows", "gather_local", "shard_grads"]
 
 
 def _ordered(store: ShardStore, grads: dict[int, torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
     return tuple(grads.get(s) for s in store.local_shards())
+
+
+class _Reading:
+    __slots__ = ("__weakref__",)
+
+
+def reading(store: ShardStore) -> _Reading:
+    """A token that a backward holds until it runs: while it lives, the store's rows keep their order
+    (``_relayout`` moves none), as the gradient rows it maps assume. (A compiled graph keeps none: its
+    backward splits by the rows as they lay, see SlabSplit.)"""
+    token = _Reading()
+    if not torch.compiler.is_compiling():
+        store.readers.add(token)
+    return token
 
 
 class SlabView(torch.autograd.Function):
@@ -40,6 +54,8 @@ class SlabView(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
         ctx.store = inputs[0]
+        ctx.reading = reading(inputs[0])  # the slab's rows stay put until backward
+        ctx.group = inputs[0].groups[0]  # and its gradient is split by them as they lie now (also compiled)
         # No gradient (an op whose rows all went to a fused update, or an unused output): none for
         # the shards either, as for an unsharded table; not a table-sized zero gradient per shard.
         ctx.set_materialize_grads(False)
@@ -47,18 +63,31 @@ class SlabView(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor | None) -> tuple:
         store: ShardStore = ctx.store
+        ctx.reading = None
         if grad is None:
             return (None,) * (1 + len(store.local_shards()))
-        return (None, *shard_grads(store, grad))
+        return (None, *shard_grads(store, grad, ctx.group))
 
 
-def shard_grads(store: ShardStore, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-    """Each local shard's part of the gradient of the store's full slab (dense or sparse), in shard order."""
+def shard_grads(store: ShardStore, grad: torch.Tensor, group: Group | None = None) -> tuple[torch.Tensor | None, ...]:
+    """Each local shard's part of the gradient of the store's full slab (dense or sparse), in shard order;
+    ``group``: the slab's rows as they lay when the gradient's rows were read."""
     if grad.layout == torch.sparse_coo:
-        grads = store.split_sparse_grad(0, grad._indices()[0], grad._values(), grad.is_coalesced())
+        grads = store.split_sparse_grad(0, grad._indices()[0], grad._values(), grad.is_coalesced(), group)
     else:
-        grads = store.split_grad(0, grad)
+        grads = store.split_grad(0, grad, group)
     return _ordered(store, grads)
+
+
+class SlabSplit:
+    """``split(grad)``: :func:`shard_grads` of a gradient of the store's full slab, split by the slab's
+    rows as they lay when the split was made (when the rows the gradient is of were read)."""
+
+    def __init__(self, store: ShardStore) -> None:
+        self.store, self.group = store, store.groups[0]
+
+    def __call__(self, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return shard_grads(self.store, grad, self.group)
 
 
 def gather_local(store: ShardStore, ids: torch.Tensor, out_device: torch.device) -> torch.Tensor:

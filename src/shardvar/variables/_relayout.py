@@ -9,6 +9,10 @@ lays it back when it lets go (see :mod:`shardvar.optim._fused`).
 
 The rows move in place with a small buffer (1/64 of the table or less): a table-sized copy would
 raise the peak memory of building and training by the table's size.
+
+Nothing moves while a backward that maps the rows as they lie is pending (``ShardStore.readers``:
+tokens its Function holds until it runs). A table someone else's tensor views is not laid row by
+row, and is laid back into new memory, leaving that tensor the old.
 """
 
 from __future__ import annotations
@@ -94,7 +98,7 @@ def _eligible(store: ShardStore, order: str) -> bool:
         and store.row_order == order
         and all(type(t) in _PLAIN for t in shards)
         and _blocks(n, layout.num_rows // n) is not None
-        and _unshared(store)
+        and not any(s.readers for s in (store, *store.companions))  # a pending backward maps rows as they lie
     )
 
 
@@ -111,13 +115,25 @@ def _unshared(store: ShardStore) -> bool:
     return _use_count(first) - (_base_use() - 1) == known
 
 
-def _relay(store: ShardStore, extra: list[torch.Tensor], interleaved: bool) -> bool:
+def _alone(t: torch.Tensor) -> bool:
+    return _use_count(t) == _base_use()
+
+
+def _relay(store: ShardStore, extra: list[torch.Tensor], interleaved: bool, fresh: bool = False) -> bool:
+    """Move the rows in place; ``fresh``: the table's rows (and any state tensor someone else views)
+    into new memory instead, the old left as it is to whoever holds it."""
     n, rows = store.layout.num_shards, store.layout.num_rows
     slab = store.full_slab
-    tensors = [slab, *(t.view(rows, -1) for t in extra)]
     with torch.no_grad():
-        for t in tensors:
-            transpose_rows_(t, n, rows // n, inverse=not interleaved)
+        if fresh:
+            slab = _moved(slab, n, interleaved)
+        for t in extra:
+            if _alone(t):
+                transpose_rows_(t.view(rows, -1), n, rows // n, inverse=not interleaved)
+            else:
+                t.set_(_moved(t.view(rows, -1), n, interleaved).view(t.shape))
+        if not fresh:
+            transpose_rows_(slab, n, rows // n, inverse=not interleaved)
         whole = slab.view(rows, *store.row_shape)
         pieces = [whole[s::n] for s in range(n)] if interleaved else list(whole.split(rows // n))
         for s, t in store.local_shards().items():
@@ -127,16 +143,26 @@ def _relay(store: ShardStore, extra: list[torch.Tensor], interleaved: bool) -> b
     return True
 
 
+def _moved(x: torch.Tensor, n: int, interleaved: bool) -> torch.Tensor:
+    """A copy of ``x``'s rows (``[n * q, width]``) row by row in logical order (or back), in new memory."""
+    q = x.shape[0] // n
+    return (x.view(n, q, -1) if interleaved else x.view(q, n, -1)).transpose(0, 1).reshape(x.shape)
+
+
 def interleave(store: ShardStore, extra: list[torch.Tensor] = ()) -> bool:
     """Lay the store's mod shards row by row in logical order, and each tensor of ``extra`` (the
     table's optimizer state, one row per table row) alike; False, changing nothing, when the table
     is not a complete local mod table of equal shards lying back to back in one slab, or when a
     tensor other than shardvar's own holds its memory."""
-    return _eligible(store, "storage") and _relay(store, list(extra), True)
+    ready = _eligible(store, "storage") and _unshared(store) and all(_alone(t) for t in extra)
+    return ready and _relay(store, list(extra), True)
 
 
 def deinterleave(store: ShardStore, extra: list[torch.Tensor] = ()) -> bool:
-    """Undo :func:`interleave`: the shards back to back, each contiguous (as torch's sparse optimizers need)."""
+    """Undo :func:`interleave`: the shards back to back, each contiguous (as torch's sparse optimizers need).
+    Where another tensor views their memory, they move into new memory (as after ``module.to()``): that
+    tensor keeps its values, and torch's optimizers can update the shards. False, changing nothing,
+    while a backward that maps the rows as they lie is pending."""
     if not _eligible(store, "logical") or math.prod(store.local_shards()[0].stride()[:1]) == store.width:
         return False
-    return _relay(store, list(extra), False)
+    return _relay(store, list(extra), False, fresh=not _unshared(store))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -95,6 +96,8 @@ class ShardStore:
         # state in that order too): the shards are put so again wherever they are moved.
         self.interleaved = False
         self.companions: tuple[ShardStore, ...] = ()  # other stores over the same memory (a collection's)
+        # Tokens of pending backwards that map gradient rows by the rows' current order: rows stay put meanwhile.
+        self.readers: weakref.WeakSet = weakref.WeakSet()
         self._build()
 
     # -- construction ---------------------------------------------------------------------------
@@ -169,6 +172,14 @@ class ShardStore:
         self._signature = self._current_signature()
         self._routes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.recycler = Recycler()  # per-step buffers of lookups and their gradients
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A pending backward's tokens and a fused optimizer's sink belong to this process's objects: a
+        # copy (pickled, or deep-copied with its module) has neither (the sink would update this table).
+        return {**self.__dict__, "readers": None, "sink": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, readers=weakref.WeakSet())
 
     def _interleave(self, members: list[int]) -> bool:
         return self.interleaved and len(members) == self.layout.num_shards
@@ -260,9 +271,10 @@ class ShardStore:
         return rows_2d(self._shards[group.members[0]], self.layout.axis)
 
     # -- gradients --------------------------------------------------------------------------------
-    def split_grad(self, g: int, grad: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Group ``g``'s dense ``[rows, width]`` gradient as one gradient per member shard (views)."""
-        group = self.groups[g]
+    def split_grad(self, g: int, grad: torch.Tensor, group: Group | None = None) -> dict[int, torch.Tensor]:
+        """Group ``g``'s dense ``[rows, width]`` gradient as one gradient per member shard (views); ``group``:
+        its rows as they lay when the gradient's rows were read, if they have moved since."""
+        group = self.groups[g] if group is None else group
         out = {}
         for s, first, step in zip(group.members, group.starts, group.steps, strict=True):
             size = self.layout.sizes[s]
@@ -283,7 +295,7 @@ class ShardStore:
         return self.split_grad(g, grad.index_add_(0, rows, values))
 
     def split_sparse_grad(
-        self, g: int, rows: torch.Tensor, values: torch.Tensor, coalesced: bool = False
+        self, g: int, rows: torch.Tensor, values: torch.Tensor, coalesced: bool = False, group: Group | None = None
     ) -> dict[int, torch.Tensor]:
         """Sparse COO gradients per member shard from group rows ``rows`` and their ``values``.
 
@@ -293,7 +305,7 @@ class ShardStore:
         optimizers most of their own ``coalesce()`` (torch's AccumulateGrad drops the coalesced
         flag, but re-sorting distinct sorted rows is cheap: SparseAdam's step 0.7-0.95x torch's).
         """
-        group = self.groups[g]
+        group = self.groups[g] if group is None else group  # as in split_grad
         sizes = [self.layout.sizes[s] for s in group.members]
         interleaved = any(st > 1 for st in group.steps)
         if values.is_floating_point() and rows.numel() and (interleaved or not coalesced):
