@@ -138,9 +138,11 @@ def _as_they_lie(store: Any, rows: torch.Tensor, logical: bool) -> torch.Tensor:
     token keeps the rows put for, hands over rows read before they moved."""
     if store.logical_slab == logical:
         return rows
-    n = store.layout.num_shards
-    q = store.layout.num_rows // n  # only equal mod shards move (see variables._relayout)
-    return store.slab_rows(rows if logical else rows.remainder(q) * n + rows.div(q, rounding_mode="floor"))
+    if logical:
+        return store.slab_rows(rows)
+    layout = store.layout
+    q = layout.num_rows // layout.num_shards  # only equal mod shards move: row r is shard r // q's row r % q
+    return layout.strategy.global_ids(layout.sizes, rows.div(q, rounding_mode="floor"), rows.remainder(q))
 
 
 def _row_state(table: Table) -> list[torch.Tensor]:
