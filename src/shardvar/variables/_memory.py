@@ -79,6 +79,14 @@ def as_slab(shards: list[torch.Tensor]) -> Slab | None:
     width, rows = math.prod(first.shape[1:]), sum(s.shape[0] for s in shards)
     if not all(s.dtype == first.dtype and s.untyped_storage().data_ptr() == ptr for s in shards):
         return None
+    offset, starts = base, []
+    for s in shards:  # every shard's rows following each other, back to back: the common case, cheap
+        if not s.is_contiguous() or s.storage_offset() != offset:
+            break
+        starts.append((offset - base) // max(width, 1))
+        offset += math.prod(s.shape)
+    else:
+        return _set(first, base, rows, width), tuple(starts), (1,) * len(shards)
     offset, k, starts, steps = base, 0, [], []
     while k < len(shards):
         s = shards[k]

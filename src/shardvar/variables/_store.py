@@ -159,13 +159,11 @@ class ShardStore:
         # Read on every lookup; they change only here (the shards and layout are fixed at __init__).
         one = self.groups[0] if len(self.groups) == 1 and self.is_complete else None
         self._full_slab = one.slab if one is not None else None
-        # How a logical id finds its full-slab row: it is the row (div shards in order, a mod table
-        # laid row by row, one shard), the layout's storage row (shards back to back in order), or
-        # else its shard's run in the slab (``route``).
+        # How a logical id finds its full-slab row: it is the row, the layout's storage row (shards back
+        # to back in order), or else found by its shard's run in the slab (``route``).
         self._order = _order(one, self.layout) if self._full_slab is not None else None
         self._logical_slab = self._order == "logical"
-        # Where each member's rows start with the group's members laid back to back in member order
-        # (a sparse gradient's member-major rows): its start when no member is interleaved.
+        # Each member's first row with the members back to back in member order (member-major keys).
         self._firsts = tuple(
             (0, *itertools.accumulate(self.layout.sizes[s] for s in g.members[:-1])) for g in self.groups
         )
@@ -370,15 +368,16 @@ class ShardStore:
 def _order(group: Group, layout: Layout) -> str:
     """How the logical rows lie in a complete store's one group: "logical" (its rows), "storage"
     (the shards back to back in shard order: the layout's storage rows) or "runs" (anything else)."""
-    sizes = layout.sizes
+    sizes, back_to_back = layout.sizes, all(step == 1 for step in group.steps)
+    if back_to_back and list(group.members) == sorted(group.members):  # the common case, decided cheaply
+        one = layout.contiguous or layout.num_shards == 1 or all(sizes[s] <= 1 for s in group.members)
+        return "logical" if one else "storage"
     spans = [layout.strategy.progression(sizes, s) for s in group.members]
     if all(
         sizes[s] == 0 or (a, b if sizes[s] > 1 else 1) == (start, step if sizes[s] > 1 else 1)
         for s, (a, b), start, step in zip(group.members, spans, group.starts, group.steps, strict=True)
     ):
         return "logical"
-    if all(step == 1 for step in group.steps) and list(group.members) == sorted(group.members):
-        return "storage"
     return "runs"
 
 
@@ -389,10 +388,9 @@ def _rest(shape: Sequence[int], axis: int) -> tuple[int, ...]:
 def _empty_shards(
     layout: Layout, shape: torch.Size, dtype: torch.dtype, device: torch.device, members: list[int]
 ) -> list[torch.Tensor]:
-    # Along axis 0 the shards are consecutive pieces of one slab, each contiguous (mod shards laid
-    # row by row in logical order would spare the lookup its id arithmetic, but torch's sparse
-    # ``add_``, used by every sparse optimizer, fails on strided leaf parameters). Along another
-    # axis a slab would buy nothing (rows are not contiguous), so each shard is its own tensor.
+    # Along axis 0 the shards are consecutive pieces of one slab, each contiguous (torch's sparse
+    # ``add_`` fails on strided leaf parameters: see _relayout). Along another axis a slab would buy
+    # nothing (rows are not contiguous), so each shard is its own tensor.
     if layout.axis != 0:
         return [empty(layout.shard_shape(shape, s), dtype=dtype, device=device) for s in members]
     rows = [layout.sizes[s] for s in members]
