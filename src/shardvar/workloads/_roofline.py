@@ -23,7 +23,7 @@ same directory. A path at 1.0 moves its bytes as fast as a copy does; the goal i
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -158,7 +158,6 @@ class Case:
     baseline: Callable[[], object] | None = None
     prepare: Callable[[], object] | None = None  # run untimed before each timed call (single_call only)
     single_call: bool = False  # long calls: one per round, timed whole
-    keep: list = field(default_factory=list)  # what the calls need kept alive
 
 
 def _no_grad(fn: Callable[[], object]) -> Callable[[], object]:

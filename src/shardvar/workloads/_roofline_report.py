@@ -122,7 +122,7 @@ def _header(r: dict) -> str:
 
 
 def _verdict(p: dict) -> str:
-    return f">= {GOAL}" if p["meets_goal"] else f"below {GOAL} ({GOAL / p['fraction']:.1f}x to go)"
+    return f">= {GOAL}" if p["meets_goal"] else f"below {GOAL} ({GOAL / p['fraction']:.2f}x to go)"
 
 
 def report(r: dict) -> None:
