@@ -18,6 +18,7 @@ LAYERS = [
     "nn",
     "optim",
     "dynamic",
+    "tiered",
     "checkpoint",
     "quantized",
     "tf",

@@ -4,6 +4,7 @@ Layer: above ``optim`` (reused rows get fresh optimizer state), below ``checkpoi
 """
 
 from ._hash import IdInitializer, as_keys, hash_strings, mix64, shard_of
+from ._index import HashIndex
 from ._module import DynamicEmbedding, DynamicEmbeddingBag
 from ._optim import FRESH, move_rows, reset_rows
 from ._policy import LFU, LRU, TTL, CountAdmission, ProbabilityAdmission
@@ -19,6 +20,7 @@ __all__ = [
     "LFU",
     "TTL",
     "SlotTable",
+    "HashIndex",
     "FRESH",
     "as_keys",
     "hash_strings",

@@ -1,0 +1,13 @@
+"""Tiered storage: a table's rows in a file on disk, the hot ones in a bounded RAM cache.
+
+Layer: above ``dynamic`` (the cache's id -> slot index is the dynamic tables' hash index),
+below ``checkpoint``. ``RowFile`` holds every row with its optimizer state; ``RowCache`` keeps
+``capacity`` of them in RAM, writes back what changed and reads ahead for the next batch
+(``Prefetcher``).
+"""
+
+from ._cache import POLICIES, CacheStats, RowCache
+from ._file import BackingFileError, RecordLayout, RowFile
+from ._prefetch import Prefetcher
+
+__all__ = ["BackingFileError", "CacheStats", "POLICIES", "Prefetcher", "RecordLayout", "RowCache", "RowFile"]

@@ -1,0 +1,234 @@
+"""RowCache: a bounded set of a RowFile's records in RAM, the rows the kernels read.
+
+The cache holds ``capacity`` rows as one ``[capacity, dim]`` tensor (``values``: the weight a
+lookup runs on, ids mapped to slots) and their state (``state``), with per slot the id held, the
+step it was last used, how often, and whether it changed since it was read (``dirty``). Which
+slot holds an id is the dynamic tables' hash index (vectorised linear probing, no Python loop
+over ids); which rows leave when room is needed is an LRU or LFU policy, ties to the lower slot.
+
+``resolve`` brings a batch's distinct ids in: hits are marked used first, so they are never the
+ones evicted for the batch's misses; victims that changed are written back before their slots
+are reused; the misses are read from the file in one concurrent read. Rows used at or after
+``protect_since`` are never evicted, so a batch computing while the next one is being resolved
+keeps its rows (see ``Prefetcher``). Everything is checked before anything moves: a batch whose
+distinct rows do not fit raises and leaves the cache as it was.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .._errors import ShardvarValueError
+from .._validate import check_choice, check_int
+from ..dynamic import HashIndex, mix64
+from ._file import RowFile
+
+__all__ = ["RowCache", "CacheStats", "POLICIES"]
+
+POLICIES = ("lru", "lfu")
+
+
+@dataclass
+class CacheStats:
+    """What the cache did since it was made (or ``reset``)."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    written_back: int = 0
+    prefetched: int = 0  # misses served from rows read ahead
+
+    @property
+    def hit_rate(self) -> float:
+        looked = self.hits + self.misses
+        return self.hits / looked if looked else 0.0
+
+
+class _Staged:
+    """Records read ahead for ``ids`` (ascending), and the ids written back since: those are stale."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids, self.records = ids, None
+        self.written: list[torch.Tensor] = []
+
+    def take(self, ids: torch.Tensor, wanted: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Copy the current staged records of the ``wanted`` ids into ``out``; which ones it copied."""
+        if self.records is None or self.ids.numel() == 0:  # still being read: not ours to wait for
+            return torch.zeros_like(wanted)
+        pos = torch.searchsorted(self.ids, ids).clamp_(max=self.ids.numel() - 1)
+        use = wanted & (self.ids[pos] == ids)
+        if self.written:
+            use &= ~torch.isin(ids, torch.cat(self.written))
+        out[use] = self.records[pos[use]]
+        return use
+
+
+class RowCache:
+    """``capacity`` rows of ``file`` in RAM (see the module docstring)."""
+
+    def __init__(self, file: RowFile, capacity: int, policy: str = "lru") -> None:
+        layout = file.layout
+        self.capacity = check_int(capacity, "cache capacity (rows)", minimum=1)
+        self.policy = check_choice(policy, "policy", POLICIES)
+        self.file, self.layout = file, layout
+        self.values = torch.zeros((capacity, layout.dim), dtype=layout.torch_dtype)
+        self.state = torch.zeros((capacity, layout.state_width), dtype=torch.float32)
+        self.key = torch.full((capacity,), -1, dtype=torch.int64)
+        self.used = torch.zeros(capacity, dtype=torch.int64)  # the step each slot was last used
+        self.count = torch.zeros(capacity, dtype=torch.int64)
+        self.dirty = torch.zeros(capacity, dtype=torch.bool)
+        self.index = HashIndex(HashIndex.allocate(1, capacity), 1)
+        self.step = 0
+        self.stats = CacheStats()
+        self.lock = threading.Lock()  # guards the slots and the index (a prefetch thread reads them)
+        # Rows read ahead for a coming batch (``stage``), and the ids written back since: a staged
+        # record of one of those is stale. Staged rows sit outside the slots, so nothing evicts them.
+        # Two at most: the batch about to run and the one after it (read while the first computes).
+        self._staged: list[_Staged] = []
+
+    @property
+    def nbytes(self) -> int:
+        """RAM held for rows and state (the figure ``cache_bytes`` bounds)."""
+        return self.capacity * (self.values[:1].nbytes + self.state[:1].nbytes)
+
+    def _home(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.index.start(mix64(ids), torch.zeros_like(ids))
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """The slot of each id (-1: not in the cache); changes nothing."""
+        return self.index.find(ids, self._home(ids))[0]
+
+    def resolve(self, ids: torch.Tensor, *, protect_since: int | None = None) -> torch.Tensor:
+        """The slot of each of ``ids`` (any shape, repeats allowed), bringing missing rows in.
+
+        A new step: its rows count as used now. ``protect_since``: rows used at that step or later
+        are kept (default: this step's only).
+        """
+        with self.lock:
+            distinct, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+            step = self.step + 1
+            slots = self._resolve(distinct, step, step if protect_since is None else protect_since)
+            return slots[inverse].view(ids.shape)
+
+    def _resolve(self, distinct: torch.Tensor, step: int, protect_since: int) -> torch.Tensor:
+        home = self._home(distinct)
+        slot, _ = self.index.find(distinct, home)
+        hit = slot >= 0
+        missing = (~hit).nonzero().squeeze(1)
+        free = (self.key < 0).nonzero().squeeze(1)
+        short = missing.numel() - free.numel()
+        kept = (self.used >= protect_since) & (self.key >= 0)
+        kept[slot[hit]] = True
+        if short > 0 and short > int((~kept & (self.key >= 0)).sum()):
+            needed = distinct.numel() + int(((self.used >= protect_since) & (self.key >= 0)).sum())
+            raise ShardvarValueError(
+                f"the row cache holds {self.capacity} rows; this batch needs {distinct.numel()} distinct rows "
+                f"and {needed - distinct.numel()} more are held for a batch in flight: give it at least "
+                f"{needed} rows ({needed * (self.values[:1].nbytes + self.state[:1].nbytes)} bytes of cache_bytes)"
+            )
+        self.step = step  # checked: from here on the cache changes
+        self.used[slot[hit]] = step
+        self.count[slot[hit]] += 1
+        self.stats.hits += int(hit.sum())
+        if missing.numel() == 0:
+            return slot
+        if short > 0:
+            candidates = (~kept & (self.key >= 0)).nonzero().squeeze(1)
+            self._evict(candidates[self._lowest(candidates, short)])
+            free = (self.key < 0).nonzero().squeeze(1)
+        new_ids, new_slots = distinct[missing], free[: missing.numel()]
+        self._fill(new_slots, new_ids, self._records(new_ids))
+        self.index.insert(new_ids, home[missing], new_slots)
+        slot[missing] = new_slots
+        self.stats.misses += missing.numel()
+        return slot
+
+    def _lowest(self, candidates: torch.Tensor, k: int) -> torch.Tensor:
+        """Positions of the ``k`` candidates the policy would give up first (ties: lower slot)."""
+        used = self.used[candidates]
+        if self.policy == "lfu":  # fewest uses, then least recent; candidates ascend, so stable sorts tie by slot
+            order = torch.sort(used, stable=True).indices
+            order = order[torch.sort(self.count[candidates][order], stable=True).indices]
+        else:
+            order = torch.sort(used, stable=True).indices
+        return order[:k]
+
+    def _fill(self, slots: torch.Tensor, ids: torch.Tensor, records: torch.Tensor) -> None:
+        values, state = self.layout.split(records)
+        self.values[slots] = values
+        self.state[slots] = state
+        self.key[slots] = ids
+        self.used[slots] = self.step
+        self.count[slots] = 1
+        self.dirty[slots] = False
+
+    def _evict(self, slots: torch.Tensor) -> None:
+        """Give up ``slots``, writing back the rows that changed since they were read."""
+        self._write_back(slots[self.dirty[slots]])
+        _, where = self.index.find(self.key[slots], self._home(self.key[slots]))
+        self.index.remove(where)
+        self.key[slots] = -1
+        self.stats.evictions += slots.numel()
+        if self.index.needs_rebuild():
+            held = (self.key >= 0).nonzero().squeeze(1)
+            self.index.rebuild(self.key[held], self._home(self.key[held]), held)
+
+    def _write_back(self, slots: torch.Tensor) -> None:
+        if slots.numel():
+            ids = self.key[slots]
+            self.file.write(ids, self.layout.join(self.values[slots], self.state[slots]))
+            self.dirty[slots] = False
+            for staged in self._staged:
+                staged.written.append(ids)
+            self.stats.written_back += slots.numel()
+
+    # -- reading ahead --------------------------------------------------------------------------------
+    def stage(self, ids: torch.Tensor, limit: int) -> int:
+        """Read ahead the records of up to ``limit`` of ``ids`` not in the cache now; returns how many.
+
+        Safe beside the trainer's own ``resolve`` (only the index look-up holds the lock): the
+        file is read while it computes, and ``resolve`` takes the staged records instead of reading.
+        """
+        with self.lock:
+            distinct = torch.unique(ids.reshape(-1))
+            staged = _Staged(distinct[self.lookup(distinct) < 0][:limit])
+            self._staged = [*self._staged[-1:], staged]
+        if staged.ids.numel():
+            staged.records = self.file.read(staged.ids)
+        return staged.ids.numel()
+
+    def _records(self, ids: torch.Tensor) -> torch.Tensor:
+        """Records of missing ``ids``: staged ones still current, the rest read from the file now."""
+        out = torch.empty((ids.numel(), self.layout.record_bytes), dtype=torch.uint8)
+        todo = torch.ones(ids.numel(), dtype=torch.bool)
+        for staged in reversed(self._staged):  # the latest read first
+            todo &= ~staged.take(ids, todo, out)
+        if bool(todo.any()):
+            out[todo] = self.file.read(ids[todo])
+        self.stats.prefetched += ids.numel() - int(todo.sum())
+        return out
+
+    def mark_dirty(self, slots: torch.Tensor) -> None:
+        """The rows (and state) at ``slots`` were changed in place: write them back before evicting."""
+        self.dirty[slots] = True
+
+    def flush(self) -> None:
+        """Write every changed row back (before a checkpoint streams the file, and at close)."""
+        with self.lock:
+            self._write_back(self.dirty.nonzero().squeeze(1))
+
+    def peek(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values, state) of ``ids`` as they are now, from the cache where held, else the file; no change."""
+        with self.lock:
+            slot = self.lookup(ids)
+            held = slot >= 0
+            values = torch.empty((ids.numel(), self.layout.dim), dtype=self.values.dtype)
+            state = torch.empty((ids.numel(), self.layout.state_width), dtype=torch.float32)
+            values[held], state[held] = self.values[slot[held]], self.state[slot[held]]
+            if bool((~held).any()):
+                v, s = self.layout.split(self.file.read(ids[~held]))
+                values[~held], state[~held] = v, s
+            return values, state

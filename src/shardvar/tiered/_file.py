@@ -1,0 +1,283 @@
+"""RowFile: a table's rows and their optimizer state in one file on disk, one record per row.
+
+A record is the row's values followed by its state (``state_width`` float32 slots: a row-wise
+optimizer's accumulator, an element-wise one's moments), so one read brings both. The file is a
+4 KiB header (magic, then JSON: rows, dim, dtype, state width, record size, whether it was
+closed cleanly) and the records back to back. It is a working store, not a checkpoint: opening
+marks it in use (``clean: false``) and only ``close()`` marks it clean again, so a file a killed
+process left is refused instead of silently trained on; an exclusive ``flock`` keeps a second
+process out while it is open.
+
+Reads and writes are ``os.preadv`` / ``os.pwritev`` of whole records issued from a pool of
+threads: a miss on disk costs a random read, and a disk serves many at once only when many are
+in flight (queue depth), which one thread cannot give. Consecutive records go in one call.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .._errors import ShardvarError, ShardvarValueError
+from .._validate import check_int
+
+__all__ = ["RowFile", "RecordLayout", "BackingFileError"]
+
+MAGIC = b"SHVTIER1"
+HEADER = 4096
+_ALIGN = 8  # a record's state starts 8-byte aligned, so it can be viewed as float32 in place
+
+
+class BackingFileError(ShardvarError, OSError):
+    """A backing file cannot be created, opened or written (busy, unclean, full disk, not writable)."""
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """What one record holds: ``dim`` values of ``dtype``, then ``state_width`` float32 state slots."""
+
+    rows: int
+    dim: int
+    dtype: str
+    state_width: int = 0
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dim * torch.empty((), dtype=self.torch_dtype).element_size()
+
+    @property
+    def state_offset(self) -> int:
+        return -(-self.row_bytes // _ALIGN) * _ALIGN
+
+    @property
+    def record_bytes(self) -> int:
+        return -(-(self.state_offset + 4 * self.state_width) // _ALIGN) * _ALIGN
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def split(self, records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[n, record_bytes]`` uint8 as (values ``[n, dim]``, state ``[n, state_width]``), views."""
+        values = records[:, : self.row_bytes].view(self.torch_dtype)
+        state = records[:, self.state_offset : self.state_offset + 4 * self.state_width].view(torch.float32)
+        return values, state
+
+    def join(self, values: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """Records from values and state (the padding bytes zero)."""
+        records = torch.zeros((values.shape[0], self.record_bytes), dtype=torch.uint8)
+        v, s = self.split(records)
+        v.copy_(values)
+        s.copy_(state)
+        return records
+
+
+def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
+    """(first position, first id, count) of each run of consecutive ids in ascending ``ids``."""
+    if ids.size == 0:
+        return []
+    cuts = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = np.concatenate(([0], cuts))
+    counts = np.diff(np.concatenate((starts, [ids.size])))
+    return list(zip(starts.tolist(), ids[starts].tolist(), counts.tolist(), strict=True))
+
+
+class RowFile:
+    """An open backing file (see the module docstring); ``create`` or ``open`` it, ``close`` when done."""
+
+    def __init__(self, path: Path, fd: int, layout: RecordLayout, queue_depth: int) -> None:
+        self.path, self.fd, self.layout = path, fd, layout
+        self.queue_depth = queue_depth
+        self._pool = ThreadPoolExecutor(max_workers=queue_depth, thread_name_prefix="shardvar-io")
+        self.bytes_read = self.bytes_written = 0
+
+    # -- opening and closing ------------------------------------------------------------------------
+    @classmethod
+    def create(
+        cls,
+        path: str | os.PathLike,
+        layout: RecordLayout,
+        init: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        *,
+        chunk_rows: int = 1 << 16,
+        queue_depth: int = 32,
+        progress: Callable[[int], None] | None = None,
+    ) -> RowFile:
+        """A new file of ``layout.rows`` records, ``init(ids) -> (values, state)`` chunk by chunk.
+
+        The whole size is reserved first (``posix_fallocate``), so a disk too small fails before
+        anything is written, and the file is removed again; memory stays one chunk.
+        """
+        path = Path(path)
+        check_int(chunk_rows, "chunk_rows", minimum=1)
+        if path.exists():
+            raise BackingFileError(f"backing file {str(path)!r} already exists; open it, or remove it first")
+        size = HEADER + layout.rows * layout.record_bytes
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        except OSError as e:
+            raise BackingFileError(f"cannot create backing file {str(path)!r}: {e.strerror}") from None
+        try:
+            _lock(fd, path)
+            _reserve(fd, path, size)
+            _write_header(fd, layout, clean=False)
+            file = cls(path, fd, layout, queue_depth)
+            for first in range(0, layout.rows, chunk_rows):
+                ids = torch.arange(first, min(first + chunk_rows, layout.rows))
+                values, state = init(ids)
+                file.write(ids, layout.join(values, state))
+                if progress is not None:
+                    progress(int(ids.numel()))
+            return file
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, queue_depth: int = 32) -> RowFile:
+        """Open a file a ``close()`` left clean; it is marked in use until closed again."""
+        path = Path(path)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as e:
+            raise BackingFileError(f"cannot open backing file {str(path)!r}: {e.strerror}") from None
+        try:
+            _lock(fd, path)
+            layout, clean = _read_header(fd, path)
+            if not clean:
+                raise BackingFileError(
+                    f"backing file {str(path)!r} was not closed cleanly (its process died while training): its rows "
+                    "may be half written. Restart from your last checkpoint (shardvar.load) into a new backing file"
+                )
+            if os.fstat(fd).st_size != HEADER + layout.rows * layout.record_bytes:
+                raise BackingFileError(f"backing file {str(path)!r} is truncated: its size does not match its header")
+            _write_header(fd, layout, clean=False)
+            return cls(path, fd, layout, queue_depth)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def close(self) -> None:
+        """Make every write durable, mark the file clean, and release it (idempotent)."""
+        if self.fd < 0:
+            return
+        self._pool.shutdown(wait=True)
+        os.fsync(self.fd)
+        _write_header(self.fd, self.layout, clean=True)
+        os.fsync(self.fd)
+        os.close(self.fd)  # releases the flock
+        self.fd = -1
+
+    def __enter__(self) -> RowFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- records ------------------------------------------------------------------------------------
+    def _check_ids(self, ids: torch.Tensor) -> np.ndarray:
+        if self.fd < 0:
+            raise BackingFileError(f"backing file {str(self.path)!r} is closed")
+        out = ids.detach().to("cpu", torch.int64).numpy()
+        if out.size and (out.min() < 0 or out.max() >= self.layout.rows):
+            raise ShardvarValueError(f"row ids must be in [0, {self.layout.rows}); got {out.min()}..{out.max()}")
+        return out
+
+    def read(self, ids: torch.Tensor) -> torch.Tensor:
+        """The records of ``ids`` (any order, distinct or not) as ``[len(ids), record_bytes]`` uint8."""
+        order_ids = self._check_ids(ids)
+        order = np.argsort(order_ids, kind="stable")
+        sorted_ids = order_ids[order]
+        out = torch.empty((sorted_ids.size, self.layout.record_bytes), dtype=torch.uint8)
+        self._transfer(sorted_ids, out.numpy(), os.preadv)
+        self.bytes_read += out.numel()
+        if np.all(order[:-1] < order[1:]):
+            return out
+        result = torch.empty_like(out)
+        result[torch.from_numpy(order)] = out
+        return result
+
+    def write(self, ids: torch.Tensor, records: torch.Tensor) -> None:
+        """Write ``records[i]`` as the record of distinct ``ids[i]``."""
+        raw = self._check_ids(ids)
+        if records.shape != (raw.size, self.layout.record_bytes) or records.dtype != torch.uint8:
+            expected = f"uint8 [{raw.size}, {self.layout.record_bytes}]"
+            raise ShardvarValueError(f"records must be {expected}; got {records.dtype} {list(records.shape)}")
+        order = np.argsort(raw, kind="stable")
+        data = records.contiguous().numpy()
+        self._transfer(raw[order], data[order] if raw.size > 1 else data, os.pwritev)
+        self.bytes_written += records.numel()
+
+    def _transfer(self, ids: np.ndarray, buffer: np.ndarray, call: Callable) -> None:
+        """Move whole records between ``buffer`` (one row per id, ascending ids) and the file."""
+        runs = _runs(ids)
+        if not runs:
+            return
+        size = self.layout.record_bytes
+        per = -(-len(runs) // self.queue_depth)
+
+        def work(part: list[tuple[int, int, int]]) -> None:
+            for pos, first, count in part:
+                view = memoryview(buffer[pos : pos + count]).cast("B")
+                done = call(self.fd, [view], HEADER + first * size)
+                if done != count * size:
+                    raise OSError(errno.EIO, f"short {call.__name__}: {done} of {count * size} bytes")
+
+        try:
+            for f in [self._pool.submit(work, runs[i : i + per]) for i in range(0, len(runs), per)]:
+                f.result()
+        except OSError as e:
+            what = "read from" if call is os.preadv else "write to"
+            raise BackingFileError(f"cannot {what} backing file {str(self.path)!r}: {e.strerror or e}") from None
+
+
+def _lock(fd: int, path: Path) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise BackingFileError(
+            f"backing file {str(path)!r} is open in another process (or another table of this one); "
+            "give each table and each rank its own file"
+        ) from None
+
+
+def _reserve(fd: int, path: Path, size: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        free = os.statvfs(path.parent).f_bavail * os.statvfs(path.parent).f_frsize
+        raise BackingFileError(
+            f"cannot reserve {size} bytes for backing file {str(path)!r} ({e.strerror}); {free} bytes are free there"
+        ) from None
+
+
+def _write_header(fd: int, layout: RecordLayout, *, clean: bool) -> None:
+    body = json.dumps({**asdict(layout), "record_bytes": layout.record_bytes, "clean": clean}).encode()
+    os.pwrite(fd, MAGIC + body.ljust(HEADER - len(MAGIC), b" "), 0)
+    if not clean:
+        os.fsync(fd)  # "in use" is on disk before any record changes
+
+
+def _read_header(fd: int, path: Path) -> tuple[RecordLayout, bool]:
+    raw = os.pread(fd, HEADER, 0)
+    if not raw.startswith(MAGIC):
+        raise BackingFileError(f"{str(path)!r} is not a shardvar backing file (no {MAGIC.decode()} header)")
+    try:
+        meta = json.loads(raw[len(MAGIC) :].decode())
+        layout = RecordLayout(int(meta["rows"]), int(meta["dim"]), str(meta["dtype"]), int(meta["state_width"]))
+        ok = layout.record_bytes == meta["record_bytes"] and isinstance(getattr(torch, layout.dtype), torch.dtype)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        ok = False
+    if not ok:
+        raise BackingFileError(f"backing file {str(path)!r} has a damaged header")
+    return layout, bool(meta["clean"])
