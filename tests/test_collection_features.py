@@ -90,10 +90,12 @@ def test_a_keyed_jagged_batch_is_keyed_by_feature() -> None:
         (lambda: TableConfig(5, 2, feature_names="user"), TypeError, "feature_names must be a tuple or list"),
         (lambda: TableConfig(5, 2, feature_names=("a", 3)), TypeError, r"got 3 \(int\) at 1"),
         (lambda: TableConfig(5, 2, feature_names=("a", "a")), ValueError, "'a' is given 2 times"),
-        (
-            lambda: EmbeddingBagCollection({"u": TableConfig(5, 2), "v": TableConfig(5, 2, feature_names=["u"])}),
+        (  # feature "u" of both tables is output as "u@v", the name of another feature
+            lambda: EmbeddingBagCollection(
+                {"u": TableConfig(5, 2), "v": TableConfig(5, 2, feature_names=["u", "u@v"])}
+            ),
             ValueError,
-            "feature 'u' is served by tables 'u' and 'v'",
+            "feature 'u' of table 'v' and feature 'u@v' of table 'v' are both output as 'u@v'",
         ),
         (
             lambda: EmbeddingBagCollection(tables("grouped"))({"user": torch.tensor([[1]])}),

@@ -137,7 +137,8 @@ class DistributedEmbeddingBagCollection(nn.Module):
             raise ShardvarValueError(f"placement names tables {unknown} that are not in the collection")
         _agree(Comm(group, timeout), tables, placement, sparse)
         self.configs = dict(tables)
-        self.feature_tables = feature_map(tables)
+        self.served = feature_map(tables)
+        self.feature_tables = self.served.tables  # each output key's table
         init = initializer or RowInitializer()
         first = dict(zip(tables, [0, *itertools.accumulate(c.num_embeddings for c in tables.values())], strict=False))
         replicated = {n: c for n, c in tables.items() if placement.get(n) == "replicate"}
@@ -204,11 +205,12 @@ class DistributedEmbeddingBagCollection(nn.Module):
 
         A table's features go in one request, so an id two of them hold is sent and fetched once.
         """
-        table_of = self.feature_tables
+        table_of, keys_of = self.served
         modes = {f: self.configs[t].mode if self.pooled else None for f, t in table_of.items()}
-        features, offsets, weights = split_inputs(features, offsets, per_sample_weights, modes)
+        features, offsets, weights = split_inputs(features, offsets, per_sample_weights, modes, (), keys_of)
         if set(features) != set(modes):
-            raise ShardvarValueError(f"every rank gives every feature {sorted(modes)}; got {sorted(features)}")
+            given = sorted(f for f, keys in keys_of.items() if keys[0] in features)
+            raise ShardvarValueError(f"every rank gives every feature {sorted(keys_of)}; got {given}")
         out: dict[str, torch.Tensor] = self.replicas(features, offsets, weights, table_of)
         for names, bag in zip(self.groups, self.bags, strict=True):
             present = [f for f in features if table_of[f] in names]

@@ -27,7 +27,7 @@ from ..layout import Layout, as_ids
 from ..variables import ShardedVariable
 from ..variables._functional import slab_weight
 from ..variables._memory import as_slab
-from ._collection_build import TableConfig, build_tables, check_tables, feature_map
+from ._collection_build import FeatureMap, TableConfig, build_tables, check_tables, feature_map
 from ._embedding import ShardedEmbedding, ShardedEmbeddingBag
 from ._jagged import KeyedJagged, jagged_split
 from ._pack import feature_bags, pack
@@ -52,7 +52,8 @@ class EmbeddingBagCollection(nn.Module):
     ) -> None:
         super().__init__()
         check_tables(tables, sparse, pooled=True)
-        self.feature_tables = feature_map(tables)
+        self.served = feature_map(tables)
+        self.feature_tables = self.served.tables  # each output key's table
 
         def make(cfg: TableConfig, store: Any) -> ShardedEmbeddingBag:
             return ShardedEmbeddingBag(
@@ -69,13 +70,14 @@ class EmbeddingBagCollection(nn.Module):
         offsets: dict[str, Any] | None = None,
         per_sample_weights: dict[str, Any] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Bags per feature: ``{feature: [bags, dim]}`` (``concat`` joins them for the dense layers).
+        """Bags per feature: ``{feature: [bags, dim]}`` (``concat`` joins them for the dense layers); a feature
+        several tables serve gives bags per table, ``{feature@table: ...}`` (:func:`feature_map`).
 
         The features of one table are looked up together, in one kernel with the other tables of
         its group: a table's rows are read once per call, however many features it serves.
         """
-        groups, tables = self._groups, self.feature_tables
-        return lookup_tables(self.embedding_bags, groups, features, offsets, per_sample_weights, tables)
+        groups, served = self._groups, self.served
+        return lookup_tables(self.embedding_bags, groups, features, offsets, per_sample_weights, served)
 
     def _apply(self, fn: Any, recurse: bool = True) -> EmbeddingBagCollection:
         super()._apply(fn, recurse)
@@ -162,14 +164,15 @@ def lookup_tables(
     features: Any,
     offsets: dict[str, Any] | None,
     per_sample_weights: dict[str, Any] | None,
-    table_of: Mapping[str, str] | None = None,
+    served: FeatureMap | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Bags of each feature (served by table ``table_of[feature]``, default: the table of its name), one
-    kernel per group of :func:`batch_tables`; everything checked first."""
-    table_of = table_of if table_of is not None else {n: n for n in bags}
-    modes = {f: pooling(bags[t]) for f, t in table_of.items()}
-    last = () if not isinstance(features, KeyedJagged) else [f for f, t in table_of.items() if _reads_end(bags[t])]
-    features, offsets, weights = split_inputs(features, offsets, per_sample_weights, modes, last)
+    """The result of each output key of ``served`` (:func:`feature_map`; default: each table serves the
+    feature of its name) whose feature is given, one kernel per group of :func:`batch_tables`;
+    everything checked first."""
+    table_of, keys_of = served if served is not None else ({n: n for n in bags}, None)
+    modes = {k: pooling(bags[t]) for k, t in table_of.items()}
+    last = () if not isinstance(features, KeyedJagged) else [k for k, t in table_of.items() if _reads_end(bags[t])]
+    features, offsets, weights = split_inputs(features, offsets, per_sample_weights, modes, last, keys_of)
     out: dict[str, torch.Tensor] = {}
     for names, variable in _reading_first(bags, groups, table_of, (features, offsets, weights)):
         present = [f for f in features if table_of[f] in names]
@@ -211,13 +214,19 @@ def split_inputs(
     per_sample_weights: Any,
     modes: Mapping[str, str | None],
     last_offset: Sequence[str] = (),
+    keys_of: Mapping[str, Sequence[str]] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """(ids, offsets, weights) by feature, from dicts or a KeyedJagged, checked against the tables' modes
-    (None: a table that does not pool); a KeyedJagged's offsets of the features in ``last_offset`` end
-    with the ids' end, as their tables read them (``include_last_offset``), as offsets given in a dict do.
+    """(ids, offsets, weights) by output key, from dicts or a KeyedJagged given by feature, checked against
+    each key's table's mode (``modes``; None: a table that does not pool).
 
-    Whatever the grouping of the tables, weights given for some features weight those and the
-    others pool unweighted; offsets or weights for a feature without ids are refused.
+    A feature's output keys are ``keys_of[feature]`` (None: each key of ``modes`` is a feature's;
+    :func:`feature_map`): a feature several tables serve is given once and each of its keys gets
+    its tensors (the same objects: its ids are read once per table). Keys come in the order of the
+    features given, a feature's keys in the collection's order. A KeyedJagged's offsets of the keys
+    in ``last_offset`` end with the ids' end, as their tables read them (``include_last_offset``),
+    as offsets given in a dict do. Whatever the grouping of the tables, weights given for some
+    features weight those and the others pool unweighted; offsets or weights for a feature without
+    ids are refused.
     """
     if isinstance(features, KeyedJagged):
         if offsets is not None or per_sample_weights is not None:
@@ -226,15 +235,14 @@ def split_inputs(
                 f"per_sample_weights={per_sample_weights!r:.40} besides: leave them out"
             )
         features, offsets, per_sample_weights = features.split()
-        for f in set(last_offset) & offsets.keys():
-            offsets[f] = torch.cat([offsets[f], offsets[f].new_tensor([features[f].numel()])])
     if not isinstance(features, dict):
         raise ShardvarTypeError(
             f"features must be a dict of name -> ids, or a KeyedJagged; got {type(features).__name__}"
         )
-    unknown = sorted(set(features) - set(modes), key=str)
+    names = keys_of if keys_of is not None else modes
+    unknown = sorted(set(features) - set(names), key=str)
     if unknown:
-        raise ShardvarValueError(f"no feature named {unknown}; the features are {list(modes)}")
+        raise ShardvarValueError(f"no feature named {unknown}; the features are {list(names)}")
     given = {"offsets": offsets or {}, "per_sample_weights": per_sample_weights or {}}
     for what, by_name in given.items():
         if not isinstance(by_name, dict):
@@ -242,14 +250,24 @@ def split_inputs(
         stray = sorted(set(by_name) - set(features), key=str)
         if stray:
             raise ShardvarValueError(f"{what} given for {stray}, which have no ids; the features are {list(features)}")
-    for f in given["per_sample_weights"]:
-        if modes[f] is None:
-            raise ShardvarValueError(f"feature {f!r} is not pooled (an EmbeddingCollection's): it takes no weights")
-        if modes[f] != "sum":
+    offsets, weights = given.values()
+    if keys_of is not None and len(keys_of) != len(modes):  # a feature several tables serve: under each key
+        features, offsets, weights = (_by_key(x, features, keys_of) for x in (features, offsets, weights))
+    for k in set(last_offset) & offsets.keys():  # a new tensor: another key of the feature keeps its own
+        offsets[k] = torch.cat([offsets[k], offsets[k].new_tensor([features[k].numel()])])
+    for k in weights:
+        if modes[k] is None:
+            raise ShardvarValueError(f"feature {k!r} is not pooled (an EmbeddingCollection's): it takes no weights")
+        if modes[k] != "sum":
             raise ShardvarValueError(
-                f"per_sample_weights go with mode 'sum' (torch's rule); feature {f!r} has mode {modes[f]!r}"
+                f"per_sample_weights go with mode 'sum' (torch's rule); feature {k!r} has mode {modes[k]!r}"
             )
-    return features, given["offsets"], given["per_sample_weights"]
+    return features, offsets, weights
+
+
+def _by_key(by_feature: dict[str, Any], features: dict[str, Any], keys_of: Mapping[str, Sequence[str]]) -> dict:
+    """Each feature's tensor under each of its keys, in the order of ``features`` (as given)."""
+    return {k: by_feature[f] for f in features if f in by_feature for k in keys_of[f]}
 
 
 def _lookup_group(

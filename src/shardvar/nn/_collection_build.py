@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -26,13 +26,14 @@ from ..layout import Layout
 from ..variables import ShardStore, to_layout
 from ._jagged import check_names
 
-__all__ = ["TableConfig", "build_tables", "check_tables", "feature_map"]
+__all__ = ["FeatureMap", "TableConfig", "build_tables", "check_tables", "feature_map"]
 
 
 @dataclass(frozen=True)
 class TableConfig:
     """One table of a collection: rows, width, how it is split (a count, partitioner or Layout), pooling,
-    and the features it serves (``feature_names``; None: the one feature named as the table).
+    and the features it serves (``feature_names``; None: the one feature named as the table). A feature
+    several tables serve is output once per table, as ``feature@table`` (see :func:`feature_map`).
 
     >>> TableConfig(100, 8, feature_names=["query_user", "candidate_user"]).feature_names
     ('query_user', 'candidate_user')
@@ -76,17 +77,39 @@ def check_tables(tables: Any, sparse: bool, pooled: bool) -> None:
         check_int(cfg.embedding_dim, "embedding_dim", minimum=1)
 
 
-def feature_map(tables: Mapping[str, TableConfig]) -> dict[str, str]:
-    """Each feature -> the table that serves it; a feature served by two tables is refused."""
+class FeatureMap(NamedTuple):
+    """A collection's outputs: each output key's table, and each feature's output keys."""
+
+    tables: dict[str, str]
+    keys: dict[str, tuple[str, ...]]
+
+
+def feature_map(tables: Mapping[str, TableConfig]) -> FeatureMap:
+    """The output keys of ``tables`` by TorchRec's rule (``get_embedding_names_by_table``): a feature one
+    table serves is keyed by its name, a feature several tables serve is keyed ``feature@table`` for
+    each of them; keys in the tables' order, each table's in its ``feature_names`` order.
+
+    >>> feature_map({"t1": TableConfig(9, 2, feature_names=["a", "b"]), "t2": TableConfig(9, 2, feature_names=["a"])})
+    FeatureMap(tables={'a@t1': 't1', 'b': 't1', 'a@t2': 't2'}, keys={'a': ('a@t1', 'a@t2'), 'b': ('b',)})
+    """
+    served: dict[str, list[str]] = {}
+    for name, cfg in tables.items():
+        for feature in cfg.feature_names or (name,):
+            served.setdefault(feature, []).append(name)
+    key_of = {(f, t): f if len(ts) == 1 else f"{f}@{t}" for f, ts in served.items() for t in ts}
     out: dict[str, str] = {}
     for name, cfg in tables.items():
         for feature in cfg.feature_names or (name,):
-            if feature in out:
+            key = key_of[feature, name]
+            if key in out:  # "a@t" names a feature and also keys feature "a" of table "t"
+                first = next(f for (f, t), k in key_of.items() if k == key and t == out[key])
                 raise ShardvarValueError(
-                    f"feature {feature!r} is served by tables {out[feature]!r} and {name!r}; a feature has one table"
+                    f"feature {first!r} of table {out[key]!r} and feature {feature!r} of table {name!r} are both "
+                    f"output as {key!r} (a feature several tables serve is output as 'feature@table'); rename one"
                 )
-            out[feature] = name
-    return out
+            out[key] = name
+    keys = {f: tuple(key_of[f, t] for t in ts) for f, ts in served.items()}
+    return FeatureMap(out, keys)
 
 
 PIECE_BYTES = 1 << 20  # the most drawn outside the tables at once (mod shards: logical rows are scattered)

@@ -39,7 +39,8 @@ class EmbeddingCollection(nn.Module):
     ) -> None:
         super().__init__()
         check_tables(tables, sparse, pooled=False)
-        self.feature_tables = feature_map(tables)
+        self.served = feature_map(tables)
+        self.feature_tables = self.served.tables  # each output key's table
 
         def make(cfg: TableConfig, store: Any) -> ShardedEmbedding:
             return ShardedEmbedding(
@@ -59,4 +60,4 @@ class EmbeddingCollection(nn.Module):
         self, features: dict[str, Any] | KeyedJagged, offsets: dict[str, Any] | None = None
     ) -> dict[str, JaggedRows]:
         """Each feature's rows, bag by bag; a table's features are looked up with its group in one kernel."""
-        return lookup_tables(self.embeddings, self._groups, features, offsets, None, self.feature_tables)
+        return lookup_tables(self.embeddings, self._groups, features, offsets, None, self.served)

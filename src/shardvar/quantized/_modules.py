@@ -18,7 +18,7 @@ from torch import nn
 from .._errors import ShardvarValueError
 from ..layout import Layout
 from ..nn import EmbeddingBagCollection, KeyedJagged
-from ..nn._collection import lookup_tables
+from ..nn._collection import FeatureMap, lookup_tables
 from ..variables import ShardStore
 from ..variables._packed import RowFormat
 from ..variables._values import ids_device
@@ -162,9 +162,10 @@ class QuantizedEmbeddingBag(_QuantizedTable):
 class QuantizedEmbeddingBagCollection(nn.Module):
     """``EmbeddingBagCollection``'s forward over packed tables: ``{name: [bags, dim]}``, one kernel per table."""
 
-    def __init__(self, bags: dict[str, QuantizedEmbeddingBag]) -> None:
+    def __init__(self, bags: dict[str, QuantizedEmbeddingBag], served: FeatureMap | None = None) -> None:
         super().__init__()
         self.embedding_bags = nn.ModuleDict(bags)
+        self.served = served  # the float collection's output keys (None: each table serves its name's feature)
         self.eval()
 
     # EmbeddingBagCollection.forward's signature (`duplicates` pairs the two): a drop-in, and the
@@ -176,7 +177,7 @@ class QuantizedEmbeddingBagCollection(nn.Module):
         per_sample_weights: dict[str, Any] | None = None,
     ) -> dict[str, torch.Tensor]:
         groups = [([name], None) for name in self.embedding_bags]  # each table its own kernel call
-        return lookup_tables(self.embedding_bags, groups, features, offsets, per_sample_weights)
+        return lookup_tables(self.embedding_bags, groups, features, offsets, per_sample_weights, self.served)
 
     @property
     def nbytes(self) -> int:

@@ -96,7 +96,7 @@ def quantize(source: Any, dtype: Any, *, dst: str | os.PathLike | None = None, t
         bags = dict(source.embedding_bags.items())
         for name, bag in bags.items():  # every table checked before any is packed
             _check(bag, fmt, f"table {name!r}")
-        return QuantizedEmbeddingBagCollection({n: _quantize_table(b, fmt) for n, b in bags.items()})
+        return QuantizedEmbeddingBagCollection({n: _quantize_table(b, fmt) for n, b in bags.items()}, source.served)
     if isinstance(source, (ShardedEmbedding, ShardedEmbeddingBag)):
         _check(source, fmt, type(source).__name__)
         return _quantize_table(source, fmt)
