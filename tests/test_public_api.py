@@ -23,6 +23,7 @@ LAYERS = [
     "tf",
     "distributed",
     "transform",
+    "workloads",
     "cli",
 ]
 
