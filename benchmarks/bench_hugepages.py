@@ -50,7 +50,7 @@ def _timed(fn, baseline, min_s: float, out: list) -> list[float]:
 def _paths(args: argparse.Namespace, only: list[str]) -> dict[str, tuple[float, float]]:
     import bench_paths
 
-    from shardvar.cli._bench import bench_checkpoint
+    from shardvar.workloads import BenchSettings, bench_checkpoint
 
     times: list = []
     r = lambda fn, base: _timed(fn, base, args.min_s, times)  # noqa: E731
@@ -71,7 +71,7 @@ def _paths(args: argparse.Namespace, only: list[str]) -> dict[str, tuple[float, 
                 results.update({row[0]: t for row, t in zip(rows, times, strict=True)})
                 times.clear()
     if "checkpoint" in only:
-        ck = argparse.Namespace(checkpoint_mib=args.checkpoint_mib, dim=args.dim, shards=8, repeats=4)
+        ck = BenchSettings(checkpoint_mib=args.checkpoint_mib, dim=args.dim, shards=8, repeats=4)
         results.update({x["benchmark"]: (x["sharded_ms"] / 1e3, x["baseline_ms"] / 1e3) for x in bench_checkpoint(ck)})
     return results
 

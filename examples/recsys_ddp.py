@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import sys
 import time
 
 import torch
@@ -21,7 +22,10 @@ import torch.distributed as dist
 from torch import nn
 
 import shardvar
+from shardvar.cli import integer
 from shardvar.distributed import DistributedEmbedding
+
+LAUNCH = "torchrun --nproc-per-node 2 examples/recsys_ddp.py --steps 200"
 
 
 def zipf(n: int, size: int, g: torch.Generator, exponent: float = 1.05) -> torch.Tensor:
@@ -60,15 +64,18 @@ class RecModel(nn.Module):
 def main() -> None:
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # huge pages for large tensors, before the first one
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--users", type=int, default=20000)
-    p.add_argument("--items", type=int, default=5000)
-    p.add_argument("--dim", type=int, default=16)
-    p.add_argument("--shards", type=int, default=None, help="shards per table (default: one per rank)")
+    p.add_argument("--users", type=integer(1), default=20000)
+    p.add_argument("--items", type=integer(1), default=5000)
+    p.add_argument("--dim", type=integer(1), default=16)
+    p.add_argument("--shards", type=integer(1), default=None, help="shards per table (default: one per rank)")
     p.add_argument("--strategy", choices=["div", "mod"], default="mod")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch", type=int, default=512)
+    p.add_argument("--steps", type=integer(1), default=200)
+    p.add_argument("--batch", type=integer(1), default=512)
     p.add_argument("--save", default=None, help="write a distributed checkpoint here at the end")
     args = p.parse_args()
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:  # torch's own error would be "environment variable RANK expected, but not set"
+        sys.exit(f"recsys_ddp.py runs one process per rank under torchrun (no {', '.join(missing)} set): {LAUNCH}")
     backend = "nccl" if torch.cuda.is_available() and os.environ.get("SHARDVAR_BACKEND") != "gloo" else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -70,3 +70,13 @@ def test_no_import_cycles() -> None:
 def test_the_cycle_finder_finds_cycles() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_workloads_import_without_the_command_line() -> None:
+    # benchmarks/ and examples/ stand on shardvar.workloads; the command line stands on it, not under it.
+    import subprocess
+    import sys
+
+    code = "import sys, shardvar.workloads; print(sorted(m for m in sys.modules if m.startswith('shardvar.cli')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

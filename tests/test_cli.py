@@ -39,8 +39,9 @@ def test_plan_bad_arguments_exit_with_a_message(capsys) -> None:
     with pytest.raises(SystemExit, match=r"^2$"):
         main(["plan", "--shape", "10,x"])
     assert "bad shape '10,x'" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="axis 5 is out of range"):
+    with pytest.raises(SystemExit, match=r"^2$"):  # checked against every shape where parsed
         main(["plan", "--shape", "10,3", "--axis", "5"])
+    assert "argument --axis: axis 5 is out of range" in capsys.readouterr().err
 
 
 def test_inspect_and_reshard(tmp_path, capsys) -> None:
@@ -63,11 +64,15 @@ def test_inspect_and_reshard(tmp_path, capsys) -> None:
     assert capsys.readouterr().err == ""  # no progress bar off a terminal
     assert main(["inspect", str(tmp_path / "b")]) == 0
     assert "div: 34,33,33 @axis0" in capsys.readouterr().out
+    (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match=r"manifest\.json is missing"):  # a message: exit status 1
+        main(["inspect", str(tmp_path / "empty")])
+    with pytest.raises(SystemExit, match=r"^2$"):  # no such path: refused where parsed
         main(["inspect", str(tmp_path / "missing")])
+    assert "argument path: no such file or directory" in capsys.readouterr().err
     with pytest.raises(SystemExit, match=r"^2$"):
         main(["reshard", str(tmp_path / "a"), str(tmp_path / "c"), "--shards", "0"])
-    assert "expected a positive integer; got 0" in capsys.readouterr().err
+    assert "argument --shards: must be >= 1; got 0" in capsys.readouterr().err
 
 
 def test_inspect_shows_a_delta_chain_and_compact_folds_it(tmp_path, capsys) -> None:
@@ -189,11 +194,9 @@ def test_demo_trains_checkpoints_and_restores(tmp_path) -> None:
 
 
 def test_demo_times_its_twins_interleaved() -> None:
-    import argparse
-
     from torch import nn
 
-    from shardvar.cli._demo_model import Clicks, RecModel, step_summary, train_twins
+    from shardvar.workloads import Clicks, DemoSettings, RecModel, step_summary, train_twins
 
     order: list[int] = []
     models = []
@@ -201,7 +204,7 @@ def test_demo_times_its_twins_interleaved() -> None:
         model = RecModel(nn.Embedding(50, 4), nn.Embedding(20, 4), 4)
         model.register_forward_pre_hook(lambda module, inputs, k=k: order.append(k))
         models.append(model)
-    args = argparse.Namespace(lr=0.01, seed=0, steps=6, batch=8, progress=False)
+    args = DemoSettings(lr=0.01, seed=0, steps=6, batch=8)
     losses, seconds = train_twins((models[0], models[1]), Clicks(50, 20, 0), args)
     assert order == [0, 1, 1, 0] * 3  # a step of each in turn, the order alternating
     assert len(losses) == 6 and [len(s) for s in seconds] == [6, 6]

@@ -136,11 +136,11 @@ def test_ranks_disagreeing_on_a_table_name_it_the_argument_and_both_values(tmp_p
 
 
 def test_dlrm_refuses_a_batch_that_does_not_divide_by_the_world_size() -> None:
-    from shardvar.cli.dlrm import build, tables, train
+    from shardvar.workloads import build_dlrm, criteo_tables, train_dlrm
 
-    configs = tables(0.0005, count=2)
+    configs = criteo_tables(0.0005, count=2)
     with pytest.raises(shardvar.ShardvarValueError, match=r"global batch \(65\) must divide by the number of proc"):
-        train(build(configs, 1), configs, steps=1, size=65, lr=0.1, world=2)
+        train_dlrm(build_dlrm(configs, 1), configs, steps=1, size=65, lr=0.1, world=2)
 
 
 def test_dlrm_ranks_that_run_different_numbers_of_steps_all_fail_clearly(tmp_path: Path) -> None:

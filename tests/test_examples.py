@@ -46,8 +46,7 @@ def test_dlrm_example_trains_the_unsharded_model_on_one_two_and_three_processes(
     import torch
 
     import shardvar
-    from shardvar.cli._demo_tables import _plain
-    from shardvar.cli.dlrm import build, tables, train
+    from shardvar.workloads import build_dlrm, criteo_tables, plain_dlrm, train_dlrm
 
     steps, size = 8, 96  # the batch divides by 1, 2 and 3; the scale keeps every kind of auto placement
     cases = (("w1", 1, "row"), ("w2", 2, "row"), ("w3", 3, "table"), ("auto2", 2, "auto"), ("auto3", 3, "auto"))
@@ -74,9 +73,9 @@ def test_dlrm_example_trains_the_unsharded_model_on_one_two_and_three_processes(
             p.kill()
             p.communicate()
     assert len(set(runs.values())) == 1, runs  # row-wise, table-wise, replicated and mixed placements alike
-    configs = tables(0.01)
-    plain = _plain(build(configs, 1), configs)  # one nn.EmbeddingBag per table, the same initial values
-    train(plain, configs, steps, size, 0.1)
+    configs = criteo_tables(0.01)
+    plain = plain_dlrm(build_dlrm(configs, 1), configs)  # one nn.EmbeddingBag per table, the same initial values
+    train_dlrm(plain, configs, steps, size, 0.1)
     names = shardvar.checkpoint.Manifest.read(tmp_path / "w1").variables
     assert sum(".embedding_bags." in n for n in names) == 26
     for name in names:
@@ -127,3 +126,74 @@ def test_sequence_model_example_trains_on_two_processes_and_restores_into_one(tm
     plain = nn.ModuleDict({"embeddings": nn.ModuleDict({"item": nn.Embedding(400, 16)})})
     shardvar.load({"model": plain}, tmp_path / "ck")  # the table trained over two ranks, as one plain nn.Embedding
     assert torch.isfinite(plain["embeddings"]["item"].weight).all()
+
+
+def _run_example(name: str, args: list[str], monkeypatch) -> None:
+    """``examples/<name> ARGS`` in this process, as one process (no torchrun environment)."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "examples" / name), *args])
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")  # what the examples set; undone after the test
+    for key in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+@pytest.mark.parametrize(
+    ("name", "flag", "value"),
+    [
+        ("dlrm.py", "--steps", "0"),
+        ("dlrm.py", "--steps", "-1"),
+        ("dlrm.py", "--batch", "0"),
+        ("dlrm.py", "--checkpoint-every", "0"),
+        ("dlrm.py", "--lr", "nan"),
+        ("sequence_model.py", "--steps", "0"),
+        ("sequence_model.py", "--checkpoint-every", "0"),
+        ("recsys_ddp.py", "--batch", "0"),
+    ],
+)
+def test_examples_refuse_bad_flags_before_anything_starts(name, flag, value, monkeypatch, capsys) -> None:
+    with pytest.raises(SystemExit, match=r"^2$"):
+        _run_example(name, [f"{flag}={value}"], monkeypatch)
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith(f"{name}: error: argument {flag}: must be "), err
+    assert "Traceback" not in err
+
+
+def test_dlrm_example_relaunched_after_it_finished_says_so(tmp_path, monkeypatch, capsys) -> None:
+    args = ["--steps", "2", "--batch", "16", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2"]
+    _run_example("dlrm.py", args, monkeypatch)
+    assert "2 steps: loss" in capsys.readouterr().out
+    _run_example("dlrm.py", args, monkeypatch)  # returns: exit status 0
+    out = capsys.readouterr().out
+    assert f"the run in {tmp_path / 'ck'} has finished: step-00000002 holds 2 of 2 steps" in out, out
+
+
+def test_sequence_model_example_checkpoints_and_resumes_the_whole_model(tmp_path, monkeypatch, capsys) -> None:
+    import torch
+
+    import shardvar
+
+    periodic = ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2", "--batch", "8"]
+    _run_example(
+        "sequence_model.py", ["--steps", "6", "--batch", "8", "--save", str(tmp_path / "straight")], monkeypatch
+    )
+    _run_example("sequence_model.py", ["--steps", "4", *periodic], monkeypatch)  # stopped after 4 steps
+    _run_example("sequence_model.py", ["--steps", "6", *periodic, "--save", str(tmp_path / "resumed")], monkeypatch)
+    out = capsys.readouterr().out
+    assert f"resuming from {tmp_path / 'ck' / 'step-00000004'}" in out, out
+    names = shardvar.checkpoint.Manifest.read(tmp_path / "straight").variables
+    assert {n.split("/")[0] for n in names} == {"model", "dense", "table_opt", "dense_opt"}  # all of it
+    for name in names:  # the resumed run went on exactly as the uninterrupted one
+        assert torch.equal(
+            shardvar.read_shard(tmp_path / "resumed", name), shardvar.read_shard(tmp_path / "straight", name)
+        ), name
+    _run_example("sequence_model.py", ["--steps", "6", *periodic], monkeypatch)
+    assert "has finished (6 of 6 steps)" in capsys.readouterr().out
+
+
+def test_recsys_example_without_torchrun_says_how_to_launch_it(monkeypatch) -> None:
+    with pytest.raises(
+        SystemExit, match=r"^recsys_ddp\.py runs one process per rank under torchrun .*: torchrun --nproc"
+    ):
+        _run_example("recsys_ddp.py", ["--steps", "1"], monkeypatch)

@@ -24,6 +24,7 @@ LAYERS = [
     "tf",
     "distributed",
     "transform",
+    "workloads",
     "cli",
 ]
 

@@ -51,13 +51,15 @@ def test_convert_tf_with_a_map_shards_and_strategy(tmp_path: Path, capsys: pytes
     assert main([*argv, "--force"]) == 0
 
 
-def test_convert_tf_refuses_bad_input(tmp_path: Path) -> None:
+def test_convert_tf_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit, match=r"shardvar convert-tf: .*no variable 'nope'"):
         (tmp_path / "m.json").write_text('{"nope": "x"}')
         main(["convert-tf", str(DATA / "saver_v1"), str(tmp_path / "o"), "--map", str(tmp_path / "m.json")])
-    with pytest.raises(SystemExit, match="must hold a JSON object"):
-        (tmp_path / "m.json").write_text("[1]")
-        main(["convert-tf", str(DATA / "saver_v1"), str(tmp_path / "o"), "--map", str(tmp_path / "m.json")])
+    for text, why in (("[1]", "must hold a JSON object"), ("{", "not JSON")):  # read where parsed: status 2
+        (tmp_path / "m.json").write_text(text)
+        with pytest.raises(SystemExit, match=r"^2$"):
+            main(["convert-tf", str(DATA / "saver_v1"), str(tmp_path / "o"), "--map", str(tmp_path / "m.json")])
+        assert f"argument --map: {why}" in capsys.readouterr().err
     with pytest.raises(SystemExit, match=r"shardvar inspect: .*magic"):
         (tmp_path / "bad.index").write_bytes(b"\0" * 64)
         main(["inspect", str(tmp_path / "bad")])

@@ -17,12 +17,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .._errors import ShardvarValueError
-from .._pages import SWITCH, huge_pages_mode, torch_advises
+from .._pages import SWITCH, huge_pages_mode
+from ..workloads import HUGE_PAGE_SETTINGS as SETTINGS
 from ._console import print_table
 
-__all__ = ["SETTINGS", "child_argv", "run_both_settings", "use_setting"]
+__all__ = ["child_argv", "run_both_settings"]
 
-SETTINGS = {"off": "0", "on": "1"}  # the switch's value in each child
 _PASSED = ("rows", "dim", "ids", "shards", "procs", "checkpoint_mib", "repeats")
 
 
@@ -45,16 +45,6 @@ def _run_child(args: argparse.Namespace, setting: str, directory: Path) -> list[
     return [{**r, "huge_pages": setting} for r in json.loads(path.read_text())["results"]]
 
 
-def use_setting(setting: str) -> None:
-    """Set torch's switch for this process's benchmarks; refused once torch has read another value."""
-    os.environ[SWITCH] = SETTINGS[setting]
-    if torch_advises() != (setting == "on"):
-        raise ShardvarValueError(
-            f"--huge-pages {setting}: torch read {SWITCH} at its first allocation, before this command; "
-            "run `shardvar bench` as a program (or with --huge-pages both) to choose the setting"
-        )
-
-
 def run_both_settings(args: argparse.Namespace, chart: Callable[[list[dict], str], None]) -> int:
     """Run the chosen benchmarks with the switch off, then on; print one table, write one JSON (and ``chart``)."""
     with tempfile.TemporaryDirectory(prefix="shardvar-bench-") as tmp:
@@ -75,7 +65,7 @@ def run_both_settings(args: argparse.Namespace, chart: Callable[[list[dict], str
     ]
     title = f"huge pages off / on (THP mode: {huge_pages_mode()}); ratio = sharded / unsharded time"
     print_table(headers, rows, title=title)
-    settings = {k: v for k, v in vars(args).items() if k != "func"}
+    settings = {k: v for k, v in vars(args).items() if not callable(v)}
     Path(args.json).write_text(json.dumps({"settings": settings, "results": results["off"] + results["on"]}, indent=1))
     print(f"\nresults written to {args.json}")
     if args.png:

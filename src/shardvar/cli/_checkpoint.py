@@ -10,6 +10,7 @@ from ..checkpoint._chain import Chain
 from ..checkpoint._manifest import VariableEntry
 from ..checkpoint._quantize import packed_format
 from ..layout import STRATEGIES
+from ._args import input_path, integer, output_dir
 from ._console import byte_progress, format_bytes, format_sizes, print_table
 
 __all__ = ["add_checkpoint_parsers", "printable"]
@@ -86,8 +87,23 @@ def run_reshard(args: argparse.Namespace) -> int:
             reshard(args.src, args.dst, args.shards, args.strategy, progress=bar, overwrite=args.force)
     except ShardvarError as e:
         raise SystemExit(f"shardvar reshard: {e}") from None
-    print(f"wrote {args.dst}: every variable in {args.shards} {args.strategy} shards")
+    print(f"wrote {args.dst}: {written_shards(args.dst, args.shards, args.strategy)}")
     return 0
+
+
+def written_shards(path: str, asked: int, strategy: str) -> str:
+    """How many shards each variable got: ``asked``, or (as TensorFlow's partitioners do) one per row
+    for a variable with fewer rows; read back from the checkpoint written, not assumed."""
+    counts = {name: len(v.layout.sizes) for name, v in Manifest.read(path).variables.items() if v.layout is not None}
+    fewer = {name: n for name, n in counts.items() if n != asked}
+    if not fewer:
+        return f"every variable in {asked} {strategy} shard(s)"
+    listed = ", ".join(f"{printable(n)}: {k}" for n, k in sorted(fewer.items())[:8])
+    listed += ", ..." if len(fewer) > 8 else ""
+    rest = len(counts) - len(fewer)
+    if not rest:
+        return f"every variable has fewer rows than {asked}: one {strategy} shard per row ({listed})"
+    return f"{rest} variable(s) in {asked} {strategy} shard(s), those with fewer rows in one per row ({listed})"
 
 
 def run_compact(args: argparse.Namespace) -> int:
@@ -100,29 +116,19 @@ def run_compact(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; got {value}")
-    return value
-
-
 def add_checkpoint_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="list the variables of a checkpoint")
-    p.add_argument("path")
+    p.add_argument("path", type=input_path)
     p.set_defaults(func=run_inspect)
     p = sub.add_parser("reshard", help="rewrite a checkpoint into another layout")
-    p.add_argument("src")
-    p.add_argument("dst")
-    p.add_argument("--shards", type=_positive, required=True)
+    p.add_argument("src", type=input_path)
+    p.add_argument("dst", type=output_dir)
+    p.add_argument("--shards", type=integer(1), required=True)
     p.add_argument("--strategy", choices=sorted(STRATEGIES), default="div")
     p.add_argument("--force", action="store_true", help="replace a checkpoint already at DST")
     p.set_defaults(func=run_reshard)
     p = sub.add_parser("compact", help="fold a delta checkpoint and its chain into one full checkpoint")
-    p.add_argument("src", help="the newest delta of the chain")
-    p.add_argument("dst")
+    p.add_argument("src", type=input_path, help="the newest delta of the chain")
+    p.add_argument("dst", type=output_dir)
     p.add_argument("--force", action="store_true", help="replace a checkpoint already at DST")
     p.set_defaults(func=run_compact)

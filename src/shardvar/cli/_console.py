@@ -27,7 +27,7 @@ from rich.text import Text
 
 from .._format import format_bytes
 
-__all__ = ["console", "format_bytes", "format_sizes", "print_table", "byte_progress", "step_progress"]
+__all__ = ["console", "format_bytes", "format_sizes", "print_table", "byte_progress", "loss_bar", "step_progress"]
 
 # Off a terminal: the header underlined with ASCII dashes, nothing else drawn.
 _PLAIN = box.Box("    \n    \n -  \n    \n    \n    \n    \n    \n", ascii=True)
@@ -110,3 +110,11 @@ def byte_progress(label: str, enabled: bool = True) -> Iterator[Callable[[int, i
             bar.update(task, completed=done, total=total)
 
         yield update
+
+
+@contextmanager
+def loss_bar(label: str, total: int, enabled: bool = True) -> Iterator[Callable[[float], None]]:
+    """A ``shardvar.workloads.StepBar``: ``total`` steps, each advanced with the running loss."""
+    with step_progress(enabled) as bar:
+        task = bar.add_task(label, total=total, status="")
+        yield lambda loss: bar.update(task, advance=1, status=f"loss {loss:.4f}")

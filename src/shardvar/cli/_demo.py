@@ -4,34 +4,40 @@ Synthetic clicks: Zipf-distributed users and items drawn from a seed, labels fro
 factors. The model has sharded user and item tables and an MLP on top. It trains with a
 progress bar, saves a checkpoint, restores it into another shard count and strategy, checks
 that the predictions match, and prints a summary. ``--procs N`` runs the same under
-torch.distributed on this machine (gloo on loopback), one rank per process.
+torch.distributed on this machine (gloo on loopback), one rank per process. The models and loops
+are ``shardvar.workloads``'; this module parses, prints and calls them.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import torch
 from torch import nn
 
-from .._errors import ShardvarError
 from ..checkpoint import save
 from ..layout import STRATEGIES
-from ._console import byte_progress, format_bytes, format_sizes, print_table
-from ._demo_model import (
+from ..workloads import (
     Clicks,
     RecModel,
-    _eval_batch,
-    _other,
-    _restore_and_compare,
-    _tables,
     checkpoint_dir,
+    eval_batch,
+    logloss_of,
+    other_strategy,
+    rec_tables,
+    restore_and_compare,
+    serve_quantized,
     step_summary,
     train_twins,
-    where,
 )
-from ._demo_quantized import logloss_of, print_quantized, serve_quantized
+from ._args import integer, output_dir, real
+from ._console import byte_progress, format_bytes, format_sizes, loss_bar, print_table
+from ._demo_distributed import run_distributed
+from ._demo_quantized import print_quantized
+from ._demo_settings import settings_of, where
+from ._demo_tables import run_tables_demo
 
 __all__ = ["add_demo_parser"]
 
@@ -57,14 +63,8 @@ def _summary(model: RecModel, restored: RecModel, rows: dict[str, str]) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     if args.tables:
-        from ._demo_tables import run_tables_demo
-
         return run_tables_demo(args)
     if args.procs > 1:
-        if args.quantize:
-            raise SystemExit("shardvar demo: --quantize serves the one-process model; use --tables N or --procs 1")
-        from ._demo_distributed import run_distributed
-
         return run_distributed(args)
     return _run_local(args)
 
@@ -83,9 +83,10 @@ def _run_local(args: argparse.Namespace) -> int:
 
 
 def _train_and_restore(args: argparse.Namespace) -> int:
+    settings = settings_of(args)
     torch.manual_seed(args.seed)
     data = Clicks(args.users, args.items, args.seed)
-    users, items = _tables(args, args.shards, args.strategy)
+    users, items = rec_tables(settings, args.shards, args.strategy)
     model = RecModel(users, items, args.dim)
     plain = RecModel(nn.Embedding(args.users, args.dim), nn.Embedding(args.items, args.dim), args.dim)
     tables = {"users.weight": users.weight.to_tensor().detach(), "items.weight": items.weight.to_tensor().detach()}
@@ -94,21 +95,19 @@ def _train_and_restore(args: argparse.Namespace) -> int:
         f"shardvar demo: {args.users} users x {args.items} items, dim {args.dim}, "
         f"{args.shards} {args.strategy} shards per table, {args.steps} steps of {args.batch} clicks"
     )
-    losses, seconds = train_twins((model, plain), data, args)
+    losses, seconds = train_twins((model, plain), data, settings, functools.partial(loss_bar, enabled=args.progress))
     with torch.no_grad():
-        reference = model(*_eval_batch(data, args))
-    with checkpoint_dir(args) as path:
-        try:
-            start = time.perf_counter()
-            with byte_progress("save", args.progress) as bar:
-                save({"model": model, "opt": model.optimizer}, path, progress=bar)
-            save_s = time.perf_counter() - start
-            size = sum(f.stat().st_size for f in path.iterdir())
-            start = time.perf_counter()
-            restored, diff = _restore_and_compare(args, path, reference, data)
-            restore_s = time.perf_counter() - start
-        except ShardvarError as e:
-            raise SystemExit(f"shardvar demo: {e}") from None
+        reference = model(*eval_batch(data, settings))
+    with checkpoint_dir(args.checkpoint) as path:
+        start = time.perf_counter()
+        with byte_progress("save", args.progress) as bar:
+            save({"model": model, "opt": model.optimizer}, path, progress=bar)
+        save_s = time.perf_counter() - start
+        size = sum(f.stat().st_size for f in path.iterdir())
+        start = time.perf_counter()
+        with byte_progress("restore", args.progress) as bar:
+            restored, diff = restore_and_compare(settings, path, reference, data, bar)
+        restore_s = time.perf_counter() - start
     first, last = sum(losses[:20]) / min(20, len(losses)), sum(losses[-20:]) / min(20, len(losses))
     with torch.no_grad():
         same = max(
@@ -123,7 +122,7 @@ def _train_and_restore(args: argparse.Namespace) -> int:
             **step_summary(seconds),
             "tables after training, sharded vs unsharded": f"max |diff| = {same:.1e}",
             "checkpoint": f"{format_bytes(size)} in {save_s:.2f} s; {where(args, path)}",
-            "restored into": f"{args.restore_shards} {_other(args.strategy)} shards in {restore_s:.2f} s",
+            "restored into": f"{args.restore_shards} {other_strategy(args.strategy)} shards in {restore_s:.2f} s",
             "predictions after restore": f"match (max |diff| = {diff:.1e})"
             if diff <= 1e-6
             else f"DIFFER by {diff:.3e}",
@@ -138,33 +137,51 @@ def _train_and_restore(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_demo(args: argparse.Namespace) -> str | None:
+    """What the flags cannot do together (each alone is checked by its type)."""
+    if args.quantize and args.procs > 1 and not args.tables:
+        return "--quantize serves the one-process model; use --tables N or --procs 1"
+    if args.tables and args.batch % args.procs:
+        return (
+            f"--batch {args.batch} must divide by --procs {args.procs} with --tables: each process takes an "
+            "equal slice of every global batch"
+        )
+    return None
+
+
 def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="train, checkpoint and reshard a sharded recommendation model")
-    p.add_argument("--users", type=int, default=100_000, help="rows of the user table")
-    p.add_argument("--items", type=int, default=20_000, help="rows of the item table")
-    p.add_argument("--dim", type=int, default=32)
-    p.add_argument("--shards", type=int, default=4, help="shards per table")
+    p.add_argument("--users", type=integer(1), default=100_000, help="rows of the user table")
+    p.add_argument("--items", type=integer(1), default=20_000, help="rows of the item table")
+    p.add_argument("--dim", type=integer(1), default=32)
+    p.add_argument("--shards", type=integer(1), default=4, help="shards per table")
     p.add_argument("--strategy", choices=sorted(STRATEGIES), default="mod")
-    p.add_argument("--restore-shards", type=int, default=3, help="shards to restore into (with the other strategy)")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch", type=int, default=512)
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--procs", type=int, default=1, help="run distributed over this many processes (gloo)")
     p.add_argument(
-        "--checkpoint", metavar="DIR", help="save here and keep it (default: a temporary directory, removed)"
+        "--restore-shards", type=integer(1), default=3, help="shards to restore into (with the other strategy)"
+    )
+    p.add_argument("--steps", type=integer(1), default=300)
+    p.add_argument("--batch", type=integer(1), default=512)
+    p.add_argument("--lr", type=real(positive=True), default=0.01)
+    p.add_argument("--seed", type=integer(0), default=0)
+    p.add_argument("--procs", type=integer(1, 64), default=1, help="run distributed over this many processes (gloo)")
+    p.add_argument(
+        "--checkpoint",
+        type=output_dir,
+        metavar="DIR",
+        help="save here and keep it (default: a temporary directory, removed)",
     )
     p.add_argument(
         "--tables",
-        type=int,
-        choices=range(1, 27),
+        type=integer(1, 26),
         metavar="1..26",
         default=None,
         help="instead: the DLRM-style model with this many Criteo-shaped tables in one collection",
     )
-    p.add_argument("--scale", type=float, default=0.01, help="with --tables: Criteo's cardinalities times this")
+    p.add_argument(
+        "--scale", type=real(positive=True), default=0.01, help="with --tables: Criteo's cardinalities times this"
+    )
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument(
         "--quantize", action="store_true", help="also serve the trained model's tables at int8 and int4 (one process)"
     )
-    p.set_defaults(func=run_demo)
+    p.set_defaults(func=run_demo, check=check_demo)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 
 from .._errors import ShardvarError
+from .._validate import normalise_axis
 from ..layout import STRATEGIES
 from ..partitioners import (
     FixedShardsPartitioner,
@@ -15,6 +17,7 @@ from ..partitioners import (
     PartitionerConfig,
     element_size,
 )
+from ._args import ArgType, dtype_name, integer, output_file
 from ._console import format_bytes, format_sizes, print_table
 
 __all__ = ["add_plan_parser"]
@@ -56,6 +59,10 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
+SHAPE = ArgType(parse_shape, "shape", ["10,x", "10,-1", ""])
+PARTITIONER = ArgType(parse_partitioner, "partitioner", ["fixed:0", "min:x", "max:-1", "nope:1"])
+
+
 def _describe(p: Partitioner) -> str:
     if isinstance(p, FixedShardsPartitioner):
         return f"FixedShards({p.num_shards})"
@@ -83,17 +90,48 @@ def parse_size(text: str) -> int:
         value = float(number) * units[unit]
     except (ValueError, KeyError):
         raise argparse.ArgumentTypeError(f"bad size {text!r}; expected e.g. 512MiB, 2GB or 1000000") from None
+    if not math.isfinite(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}; expected at least one byte, e.g. 512MiB")
     return int(value)
 
 
-def parse_named(kind: str):
+def parse_named(kind: str) -> ArgType:
     def parse(text: str) -> tuple[str, object]:
         name, sep, value = text.partition("=")
         if not sep or not name:
             raise argparse.ArgumentTypeError(f"bad {kind} {text!r}; expected NAME=VALUE")
         return name, parse_size(value) if kind == "device" else parse_shape(value.replace("x", ","))
 
-    return parse
+    bad = ["=1", "x"] + (["a=0", "a=nan", "a=-1GiB", "a=5XB"] if kind == "device" else ["a=10x-1", "a=ten"])
+    return ArgType(parse, kind, bad)
+
+
+def _duplicates(named: list[tuple[str, object]] | None) -> list[str]:
+    names = [n for n, _ in named or []]
+    return sorted({n for n in names if names.count(n) > 1})
+
+
+def check_plan(args: argparse.Namespace) -> str | None:
+    """Flags that only mean something together, names given twice, and the axis against every shape."""
+    if args.png and importlib.util.find_spec("matplotlib") is None:
+        return "--png needs matplotlib: pip install 'shardvar[plot]'"
+    if not args.device:
+        for flag, value in (("--var", args.var), ("--png", args.png)):
+            if value:
+                return f"{flag} places variables on devices: give --device NAME=BUDGET too"
+    elif args.partitioner:
+        return "--partitioner shows the partitioners alone: leave out --device (the planner picks them)"
+    elif args.var and args.shape:
+        return "give the variables either as --var NAME=SHAPE or as --shape, not both"
+    for flag, named in (("--device", args.device), ("--var", args.var)):
+        if _duplicates(named):
+            return f"{flag} names {', '.join(map(repr, _duplicates(named)))} more than once; give each once"
+    for shape in args.shape or [parse_shape(s) for s in DEFAULT_SHAPES]:
+        try:
+            normalise_axis(args.axis, len(shape))
+        except ShardvarError as e:
+            return f"argument --axis: {e} (shape {'x'.join(map(str, shape))})"
+    return None
 
 
 def run_planner(args: argparse.Namespace) -> int:
@@ -149,12 +187,10 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="show how partitioners split some shapes")
-    p.add_argument("--shape", action="append", type=parse_shape, help="e.g. 1000000,64 (repeatable)")
-    p.add_argument(
-        "--partitioner", action="append", type=parse_partitioner, help="fixed:N, min:BYTES[:MAX], max:BYTES[:MAX]"
-    )
-    p.add_argument("--dtype", default="float32", help="torch dtype name, or 'string'")
-    p.add_argument("--axis", type=int, default=0)
+    p.add_argument("--shape", action="append", type=SHAPE, help="e.g. 1000000,64 (repeatable)")
+    p.add_argument("--partitioner", action="append", type=PARTITIONER, help="fixed:N, min:BYTES[:MAX], max:BYTES[:MAX]")
+    p.add_argument("--dtype", type=dtype_name, default="float32", help="torch dtype name, or 'string'")
+    p.add_argument("--axis", type=integer(), default=0)
     p.add_argument("--strategy", choices=sorted(STRATEGIES), default="div")
     p.add_argument(
         "--device",
@@ -165,5 +201,5 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--var", action="append", type=parse_named("var"), help="NAME=SHAPE (e.g. users=1000000x64), with --device"
     )
-    p.add_argument("--png", help="with --device: draw the shard map to this PNG (needs matplotlib)")
-    p.set_defaults(func=run_plan)
+    p.add_argument("--png", type=output_file, help="with --device: draw the shard map to this PNG (needs matplotlib)")
+    p.set_defaults(func=run_plan, check=check_plan)

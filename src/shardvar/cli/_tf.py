@@ -4,21 +4,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 from .._errors import ShardvarError
 from ..layout import STRATEGIES
+from ._args import ArgType, input_file, input_path, integer, output_dir
+from ._checkpoint import written_shards
 from ._console import byte_progress, print_table
 
 __all__ = ["add_tf_parsers", "is_tf_checkpoint"]
 
 
+_DATA_FILE = re.compile(r"\.data-\d{5}-of-\d{5}$")
+
+
 def is_tf_checkpoint(path: str) -> bool:
-    """A TensorFlow checkpoint prefix, its ``.index``, or a directory with a ``checkpoint`` state file."""
+    """A TensorFlow checkpoint prefix, its ``.index`` or one of its ``.data-...`` files, or a directory
+    that holds TensorFlow's files (a ``checkpoint`` state file, or bundles without it) and no manifest:
+    those go to the TensorFlow reader, whose errors say what to pass instead."""
     p = Path(path)
     if p.is_dir():
-        return (p / "checkpoint").is_file() and not (p / "manifest.json").exists()
-    return p.name.endswith(".index") or Path(f"{p}.index").is_file()
+        if (p / "manifest.json").exists():
+            return False
+        return (p / "checkpoint").is_file() or any(p.glob("*.index"))
+    return p.name.endswith(".index") or bool(_DATA_FILE.search(p.name)) or Path(f"{p}.index").is_file()
 
 
 def _shown(text: str) -> str:
@@ -59,22 +69,26 @@ def run_tf_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _mapping(path: str | None) -> dict[str, str] | None:
-    if path is None:
-        return None
+def _mapping(text: str) -> dict[str, str]:
+    """``--map FILE``: read and checked where it is parsed, before anything is converted."""
     try:
-        mapping = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"shardvar convert-tf: --map {path}: {e}") from None
+        mapping = json.loads(Path(input_file(text)).read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read it ({e.strerror})") from None
+    except ValueError as e:
+        raise ValueError(f"not JSON ({e})") from None
     if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
-        raise SystemExit(f"shardvar convert-tf: --map {path} must hold a JSON object of TF name -> shardvar name")
+        raise ValueError("must hold a JSON object of TF name -> shardvar name")
     return mapping
+
+
+MAPPING = ArgType(_mapping, "mapping file", ["", "/nonexistent/shardvar-map.json", "."])
 
 
 def run_convert_tf(args: argparse.Namespace) -> int:
     from ..tf import convert
 
-    mapping = _mapping(args.map)
+    mapping = args.map
     try:
         with byte_progress("convert-tf", args.progress) as progress:
             done = convert(
@@ -84,7 +98,7 @@ def run_convert_tf(args: argparse.Namespace) -> int:
     except ShardvarError as e:
         raise SystemExit(f"shardvar convert-tf: {e}") from None
     rows = [[_shown(tf_name), _shown(name)] for tf_name, name in [*done.variables.items(), *done.slots.items()]]
-    title = f"wrote {_shown(args.out)}: {args.shards} {args.strategy} shard(s) per table"
+    title = f"wrote {_shown(args.out)}: {written_shards(args.out, args.shards, args.strategy)}"
     print_table(["TensorFlow", "shardvar"], rows, title=title)
     if done.step is not None:
         print(f"optimizer step count: {done.step}")
@@ -96,13 +110,22 @@ def run_convert_tf(args: argparse.Namespace) -> int:
 def add_tf_parsers(sub: argparse._SubParsersAction) -> None:
     """Add ``convert-tf``, and let ``inspect`` (already added) also list TensorFlow checkpoints."""
     p = sub.add_parser("convert-tf", help="convert a TensorFlow checkpoint into a shardvar checkpoint")
-    p.add_argument("ckpt", help="a TensorFlow checkpoint prefix, or a directory with a 'checkpoint' file")
-    p.add_argument("out")
-    p.add_argument("--shards", type=int, default=1, help="shards per table (default 1)")
+    p.add_argument(
+        "ckpt", type=input_path, help="a TensorFlow checkpoint prefix, or a directory with a 'checkpoint' file"
+    )
+    p.add_argument("out", type=output_dir)
+    p.add_argument(
+        "--shards",
+        type=integer(1),
+        default=1,
+        help="shards per table (default 1; a table with fewer rows: one per row)",
+    )
     p.add_argument("--strategy", choices=sorted(STRATEGIES), default="div")
-    p.add_argument("--map", help="a JSON file of TF name -> shardvar name (default: every variable, short names)")
+    p.add_argument(
+        "--map", type=MAPPING, help="a JSON file of TF name -> shardvar name (default: every variable, short names)"
+    )
     p.add_argument("--optimizer", choices=["adam", "adagrad", "momentum"], help="also convert these slots")
-    p.add_argument("--step", type=int, help="the optimizer step count, when the checkpoint has none")
+    p.add_argument("--step", type=integer(0), help="the optimizer step count, when the checkpoint has none")
     p.add_argument("--force", action="store_true", help="replace a checkpoint already at OUT")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(func=run_convert_tf)

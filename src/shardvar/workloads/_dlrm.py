@@ -1,5 +1,5 @@
 """A DLRM-style model on synthetic Criteo-shaped data, shared by ``shardvar demo --tables`` and
-``examples/dlrm.py``.
+``examples/dlrm.py`` (public names in ``shardvar.workloads``).
 
 13 dense features go through a bottom MLP; up to 26 categorical ones (Criteo's cardinalities,
 scaled) are looked up in an ``EmbeddingBagCollection`` (one process) or a
@@ -23,6 +23,7 @@ from torch import nn
 
 from .. import distributed
 from .._errors import ShardvarDistributedError, ShardvarValueError
+from .._validate import check_int, check_number
 from ..checkpoint import load, save
 from ..checkpoint._manifest import MANIFEST
 from ..distributed import DistributedEmbeddingBagCollection
@@ -30,7 +31,7 @@ from ..distributed._comm import DEFAULT_TIMEOUT, Comm
 from ..nn import EmbeddingBagCollection, TableConfig
 from ..variables import RowInitializer
 
-__all__ = ["CRITEO", "DLRM", "Checkpoints", "tables", "batch", "build", "train", "explain"]
+__all__ = ["CRITEO", "DLRM", "Checkpoints", "build_dlrm", "criteo_tables", "dlrm_batch", "explain_steps", "train_dlrm"]
 
 CRITEO = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
           5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]  # fmt: skip
@@ -38,7 +39,7 @@ DENSE, DIM = 13, 16
 INIT = RowInitializer(seed=1, std=0.1)  # table values that depend on nothing but the row
 
 
-def tables(scale: float, count: int = 26) -> dict[str, TableConfig]:
+def criteo_tables(scale: float, count: int = 26) -> dict[str, TableConfig]:
     """The first ``count`` of Criteo's 26 tables, cardinalities times ``scale``; big ones in 4 mod shards."""
     return {
         f"cat_{i}": TableConfig(max(2, int(n * scale)), DIM, 4 if n * scale > 1000 else 1, "mod")
@@ -65,7 +66,7 @@ class DLRM(nn.Module):
         return self.top(torch.cat([x, dots[:, i, j]], dim=1)).squeeze(1)
 
 
-def batch(configs: dict[str, TableConfig], size: int, step: int) -> tuple[torch.Tensor, dict, torch.Tensor]:
+def dlrm_batch(configs: dict[str, TableConfig], size: int, step: int) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """A global batch of synthetic Criteo-shaped rows: dense features, one id per table, clicks."""
     g = torch.Generator().manual_seed(step)
     dense = torch.randn(size, DENSE, generator=g).abs().log1p()
@@ -75,7 +76,7 @@ def batch(configs: dict[str, TableConfig], size: int, step: int) -> tuple[torch.
     return dense, ids, torch.bernoulli(torch.sigmoid(logit), generator=g)
 
 
-def build(
+def build_dlrm(
     configs: dict[str, TableConfig], world: int, placement: Any = None, *, timeout: float = DEFAULT_TIMEOUT
 ) -> DLRM:
     """The model: a distributed collection over ``world`` ranks (placement by hand, ``"auto"`` or row-wise;
@@ -100,7 +101,7 @@ def _finished_key(rank: int) -> str:
     return f"shardvar/dlrm/finished/{rank}"
 
 
-def explain(error: ShardvarDistributedError, done: int, running: bool) -> ShardvarDistributedError:
+def explain_steps(error: ShardvarDistributedError, done: int, running: bool) -> ShardvarDistributedError:
     """``error`` (a collective that failed on this rank after ``done`` steps, while it was ``running``
     more or once it had finished) as the user error it is when the ranks stopped after different
     numbers of steps; else ``error`` itself."""
@@ -131,7 +132,12 @@ class Checkpoints:
     root: Path
     every: int
     timeout: float = DEFAULT_TIMEOUT
+    label: str = "dlrm"  # what the line saying where a run resumes from starts with
     pending: Any = field(default=None, repr=False)  # the AsyncSave still writing, if any
+
+    def __post_init__(self) -> None:
+        # every=0 once meant "never": a run asked to survive restarts wrote nothing and started over.
+        check_int(self.every, "every", minimum=1)
 
     def latest(self) -> tuple[int, Path] | None:
         done = [(int(p.name[5:]), p) for p in self.root.glob("step-*") if (p / MANIFEST).is_file()]
@@ -142,7 +148,7 @@ class Checkpoints:
         found = self.latest()
         if found is None:
             return 0
-        print(f"dlrm: resuming from {found[1]}", flush=True)
+        print(f"{self.label}: resuming from {found[1]}", flush=True)
         if world > 1:
             distributed.load(state, found[1], timeout=self.timeout)
         else:
@@ -151,7 +157,7 @@ class Checkpoints:
 
     def after(self, step: int, state: dict[str, Any], world: int) -> None:
         """Start the checkpoint of ``step`` steps done when it is due; training goes on while it writes."""
-        if self.every and step % self.every == 0:
+        if step % self.every == 0:
             path = self.root / f"step-{step:08d}"
             if world > 1:
                 self.pending = distributed.save(state, path, timeout=self.timeout, asynchronous=True)
@@ -163,7 +169,7 @@ class Checkpoints:
             self.pending.wait()
 
 
-def train(
+def train_dlrm(
     model: DLRM,
     configs: dict[str, TableConfig],
     steps: int,
@@ -180,8 +186,12 @@ def train(
     over ranks): all of them, or those after the checkpoint it resumed from.
 
     ``seconds``, when given, gets the time each step took; ``on_loss(step, loss)`` is called after each.
-    Collectives time out after ``timeout`` s.
+    Collectives time out after ``timeout`` s. A run resumed from a checkpoint of ``steps`` steps
+    (it had finished) runs none and returns no losses.
     """
+    check_int(steps, "steps", minimum=0)
+    check_int(size, "size", minimum=1)  # a batch of 0 trains on a NaN loss (a sum over nothing / 0)
+    check_number(lr, "lr", positive=True)
     if size % world:
         raise ShardvarValueError(
             f"the global batch ({size}) must divide by the number of processes ({world}): each takes an equal "
@@ -205,7 +215,7 @@ def train(
         if checkpoints:
             checkpoints.wait()
     except ShardvarDistributedError as e:
-        raise explain(e, first + len(losses), running=True) from None
+        raise explain_steps(e, first + len(losses), running=True) from None
     if comm is not None:
         dist.distributed_c10d._get_default_store().set(_finished_key(comm.rank), str(steps))
     return losses
@@ -214,7 +224,7 @@ def train(
 def _step(model: DLRM, configs: dict, opt: torch.optim.Optimizer, step: int, size: int, comm: Comm | None) -> float:
     rank, world = (comm.rank, comm.world) if comm else (0, 1)
     per_rank = size // world
-    dense, ids, clicks = batch(configs, size, step)
+    dense, ids, clicks = dlrm_batch(configs, size, step)
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
     logits = model(dense[mine], {k: v[mine] for k, v in ids.items()})
     loss = nn.functional.binary_cross_entropy_with_logits(logits, clicks[mine], reduction="sum") / size

@@ -1,18 +1,19 @@
-"""The demo's data and model: Zipf clicks, a recommendation model with two tables, its training loop.
+"""``shardvar demo``'s data and model: Zipf clicks, a recommendation model with two tables, its training loop.
 
-Shared by the one-process demo and the distributed one (``--procs N``).
+Shared by the one-process demo and the distributed one (``--procs N``). Nothing here prints: a
+caller that draws progress passes a ``StepBar``.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,9 +22,53 @@ from torch import nn
 from ..checkpoint import load
 from ..nn import ShardedEmbedding
 from ..variables import RowInitializer
-from ._console import byte_progress, step_progress
 
-__all__ = ["Clicks", "RecModel", "checkpoint_dir", "step_summary", "train_step", "train_twins", "zipf"]
+__all__ = [
+    "Clicks",
+    "DemoSettings",
+    "RecModel",
+    "StepBar",
+    "checkpoint_dir",
+    "eval_batch",
+    "no_bar",
+    "other_strategy",
+    "rec_tables",
+    "restore_and_compare",
+    "step_summary",
+    "train_step",
+    "train_twins",
+    "zipf",
+]
+
+# A progress display for a loop of ``total`` steps: ``bar(label, total)`` is a context whose value is
+# called once a step with the running loss. Picklable (a module-level function or a partial of one),
+# so distributed workers get it too.
+StepBar = Callable[[str, int], AbstractContextManager[Callable[[float], None]]]
+
+
+@contextmanager
+def no_bar(label: str, total: int) -> Iterator[Callable[[float], None]]:
+    """A ``StepBar`` that shows nothing."""
+    yield lambda loss: None
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """What ``shardvar demo`` trains: table sizes, shards, steps, and (``tables``) the DLRM-style variant."""
+
+    users: int = 100_000
+    items: int = 20_000
+    dim: int = 32
+    shards: int = 4
+    strategy: str = "mod"
+    restore_shards: int = 3
+    steps: int = 300
+    batch: int = 512
+    lr: float = 0.01
+    seed: int = 0
+    procs: int = 1
+    tables: int | None = None
+    scale: float = 0.01
 
 
 def zipf(n: int, size: int, g: torch.Generator, exponent: float = 1.05) -> torch.Tensor:
@@ -68,7 +113,8 @@ class RecModel(nn.Module):
         return (mlp or self.mlp)(torch.cat([u, i, u * i], dim=1)).squeeze(1)
 
 
-def _tables(args: argparse.Namespace, shards: int, strategy: str) -> tuple[nn.Module, nn.Module]:
+def rec_tables(args: DemoSettings, shards: int, strategy: str) -> tuple[nn.Module, nn.Module]:
+    """The user and item tables in ``shards`` ``strategy`` shards, their values drawn by row from the seed."""
     init = RowInitializer(seed=args.seed, std=0.1)
     users = ShardedEmbedding(args.users, args.dim, shards, strategy, _weight=init((args.users, args.dim)))
     items = ShardedEmbedding(args.items, args.dim, shards, strategy, _weight=init((args.items, args.dim)))
@@ -86,7 +132,7 @@ def train_step(model: RecModel, opt: torch.optim.Optimizer, batch: tuple, mlp: n
 
 
 def train_twins(
-    models: tuple[RecModel, RecModel], data: Clicks, args: argparse.Namespace
+    models: tuple[RecModel, RecModel], data: Clicks, args: DemoSettings, bar: StepBar = no_bar
 ) -> tuple[list[float], tuple[list[float], list[float]]]:
     """Train two models on the same batches, a step of one then a step of the other.
 
@@ -101,8 +147,7 @@ def train_twins(
     g = torch.Generator().manual_seed(args.seed + 1)
     losses: list[float] = []
     seconds: tuple[list[float], list[float]] = ([], [])
-    with step_progress(args.progress) as bar:
-        task = bar.add_task("training (sharded | unsharded, interleaved)", total=args.steps, status="")
+    with bar("training (sharded | unsharded, interleaved)", args.steps) as advance:
         for step in range(args.steps):
             batch = data.batch(args.batch, g)
             for k in (0, 1) if step % 2 == 0 else (1, 0):
@@ -111,7 +156,7 @@ def train_twins(
                 seconds[k].append(time.perf_counter() - start)
                 if k == 0:
                     losses.append(loss)
-            bar.update(task, advance=1, status=f"loss {sum(losses[-20:]) / len(losses[-20:]):.4f}")
+            advance(sum(losses[-20:]) / len(losses[-20:]))
     for m, opt in zip(models, opts, strict=True):
         m.optimizer = opt  # kept for the checkpoint
     return losses, seconds
@@ -138,43 +183,44 @@ def step_summary(seconds: tuple[list[float], list[float]], warmup: int = 3, bloc
     }
 
 
-def _eval_batch(data: Clicks, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+def eval_batch(data: Clicks, args: DemoSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """Held-out users and items (a generator training never uses)."""
     u, i, _ = data.batch(4096, torch.Generator().manual_seed(args.seed + 99))
     return u, i
 
 
-def _restore_and_compare(
-    args: argparse.Namespace, path: Path, reference: torch.Tensor, data: Clicks
+def restore_and_compare(
+    args: DemoSettings,
+    path: Path,
+    reference: torch.Tensor,
+    data: Clicks,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[RecModel, float]:
-    shards, strategy = args.restore_shards, _other(args.strategy)
+    """The checkpoint at ``path`` loaded into ``restore_shards`` shards of the other strategy, and the
+    max |diff| of its predictions from ``reference``; ``progress(done, total)`` gets the bytes read."""
+    shards, strategy = args.restore_shards, other_strategy(args.strategy)
     torch.manual_seed(12345)  # other initial values: everything must come from the checkpoint
-    users, items = _tables(args, shards, strategy)
+    users, items = rec_tables(args, shards, strategy)
     restored = RecModel(users, items, args.dim)
-    with byte_progress("restore", args.progress) as bar:
-        load({"model": restored}, path, progress=bar)
+    load({"model": restored}, path, progress=progress)
     with torch.no_grad():
-        predictions = restored(*_eval_batch(data, args))
+        predictions = restored(*eval_batch(data, args))
     return restored, float((predictions - reference).abs().max())
 
 
-def _other(strategy: str) -> str:
+def other_strategy(strategy: str) -> str:
     """The strategy the demo restores into: the one it did not train with."""
     return "div" if strategy == "mod" else "mod"
 
 
 @contextmanager
-def checkpoint_dir(args: argparse.Namespace) -> Iterator[Path]:
-    """``--checkpoint DIR`` (kept), or a temporary directory removed when the demo ends."""
-    if args.checkpoint:
-        yield Path(args.checkpoint)
+def checkpoint_dir(keep: str | None) -> Iterator[Path]:
+    """``keep`` (a directory the caller keeps), or a temporary directory removed when the block ends."""
+    if keep:
+        yield Path(keep)
         return
     path = Path(tempfile.mkdtemp(prefix="shardvar-demo-"))
     try:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
-
-
-def where(args: argparse.Namespace, path: Path) -> str:
-    """Where the checkpoint went: its path when kept, else that it was removed."""
-    return str(path) if args.checkpoint else "removed (--checkpoint DIR keeps it)"
