@@ -37,9 +37,19 @@ from ._clicks_distributed import train_on_processes
 from ._dlrm import CRITEO, DLRM, Checkpoints, build_dlrm, criteo_tables, dlrm_batch, explain_steps, train_dlrm
 from ._dlrm_demo import dlrm_on_processes, dlrm_predict, plain_dlrm, restore_dlrm, timed_train_dlrm
 from ._quantized import QUANTIZED, logloss_of, serve_quantized
+from ._roofline import GOAL as ROOFLINE_GOAL
+from ._roofline import QUICK as ROOFLINE_QUICK
+from ._roofline import Sizes as RooflineSizes
+from ._roofline_measure import default_threads
+from ._roofline_measure import measure as measure_roofline
 from ._timing import compare, time_ms, zipf_ids
 
 __all__ = [
+    "ROOFLINE_GOAL",
+    "ROOFLINE_QUICK",
+    "RooflineSizes",
+    "default_threads",
+    "measure_roofline",
     "BENCH_SUITES",
     "CRITEO",
     "DLRM",

@@ -30,15 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Absolute imports: pytest's doctest collection imports these files alone while workloads/ has no __init__.py.
-from shardvar.checkpoint import load, save
-from shardvar.layout import Layout
-from shardvar.nn import EmbeddingBagCollection, ShardedEmbedding, ShardedEmbeddingBag, TableConfig
-from shardvar.optim import RowWiseAdagrad, RowWiseAdam, fuse
-from shardvar.quantized import quantize, row_format
-from shardvar.variables import shard_tensor
-from shardvar.workloads._roofline_harness import zipf_ids
-from shardvar.workloads._roofline_probes import drop_cache
+from ..checkpoint import load, save
+from ..layout import Layout
+from ..nn import EmbeddingBagCollection, ShardedEmbedding, ShardedEmbeddingBag, TableConfig
+from ..optim import RowWiseAdagrad, RowWiseAdam, fuse
+from ..quantized import quantize, row_format
+from ..variables import shard_tensor
+from ._timing import zipf_ids
+from ._roofline_probes import drop_cache
 
 __all__ = [
     "GOAL",

@@ -33,7 +33,7 @@ def memory_bandwidth(nbytes: int, reps: int, threads: int) -> dict:
     import torch
     from torch.utils.benchmark import Timer
 
-    from shardvar._pages import torch_advises
+    from .._pages import torch_advises
 
     advised = torch_advises()  # before any other allocation: torch reads its switch at the first
     torch.set_num_threads(threads)
