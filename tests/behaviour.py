@@ -75,11 +75,12 @@ Batch = dict[str, tuple[torch.Tensor, torch.Tensor]]  # feature -> (ids 1-D, off
 
 
 def make_batch(features: tuple[str, ...], rank: int, step: int, empty: bool = False) -> Batch:
-    """Ids of each feature in BATCH bags; ``empty``: the first and last bags hold nothing."""
+    """Ids of each feature in BATCH bags; ``empty``: the first and last bags hold nothing (on rank 1 no bag
+    holds anything: a rank without ids still takes part in the exchange)."""
     g = torch.Generator().manual_seed(1000 * step + 10 * rank + 1)
     out = {}
     for f in features:
-        lengths = torch.tensor([0, 3, 0]) if empty else torch.randint(1, 4, (BATCH,), generator=g)
+        lengths = torch.tensor([0, 3 * (rank != 1), 0]) if empty else torch.randint(1, 4, (BATCH,), generator=g)
         ids = torch.randint(0, SHAPES[TABLE_OF[f]][0], (int(lengths.sum()),), generator=g)
         out[f] = ids, torch.cumsum(lengths, 0) - lengths
     return out
@@ -219,7 +220,7 @@ def _dynamic(kind: str) -> Callable[..., nn.Module]:
 NO_FEATURES = "one table, called with its ids: it has no features to name"
 NO_BAGS = "it returns every id's row: it has no bags"
 NO_WEIGHTS = (TypeError, "unexpected keyword argument 'per_sample_weights'")  # as nn.Embedding's forward
-NO_PADDING_CONFIG = (TypeError, "unexpected keyword argument 'padding_idx'")
+NO_PADDING = (TypeError, "unexpected keyword argument 'padding_idx'")  # TableConfig's, a dynamic table's
 INFERENCE_ONLY = (shardvar.ShardvarValueError, r"is inference-only: its rows are quantized \(float16\)")
 ONE_RANK = "one process: no other rank to disagree with"
 ANY_ID = "every int64 is an id of a dynamic table: no id is out of range"
@@ -229,8 +230,8 @@ def _local_families() -> list[Family]:
     base = {
         "embedding": {"per_sample_weights": NO_WEIGHTS},
         "bag": {},
-        "pooled": {"padding": NO_PADDING_CONFIG},
-        "sequence": {"padding": NO_PADDING_CONFIG,
+        "pooled": {"padding": NO_PADDING},
+        "sequence": {"padding": NO_PADDING,
                      "per_sample_weights": (shardvar.ShardvarValueError, "is not pooled .* it takes no weights")},
     }  # fmt: skip
     na = {"embedding": {"feature_names": NO_FEATURES, "empty_bags": NO_BAGS}, "bag": {"feature_names": NO_FEATURES}}
@@ -243,7 +244,7 @@ def _local_families() -> list[Family]:
             out.append(Family(f"quantized_{kind}", kind, _quantized(kind), quantized=True, trains=False, refuses=q,
                               **common))  # fmt: skip
     for kind in ("embedding", "bag"):
-        refuses = {"padding": (TypeError, "unexpected keyword argument 'padding_idx'")}
+        refuses = {"padding": NO_PADDING}
         if kind == "embedding":
             refuses["per_sample_weights"] = NO_WEIGHTS
         skip = {"bad_ids": ANY_ID, "bad_ids_one_rank": ONE_RANK, **na[kind]}
@@ -271,6 +272,7 @@ KNOWN_DEFECTS: dict[tuple[str, str], str] = {
     **{(b, "quantized_pooled"): _DROPS_FEATURES for b in BEHAVIOURS if b not in ("padding", "bad_ids_one_rank")},
     **{(b, "dist_quantized_pooled"): _DISTRIBUTED_REFUSED for b in BEHAVIOURS if b != "padding"},
     **{("bad_ids_one_rank", f): _ONE_RANK_ONLY for f in ("dist_pooled", "dist_sequence")},
+    **{("bad_ids_one_rank", f): _ONE_RANK_ONLY for f in ("dist_pooled_placed", "dist_sequence_placed")},
 }
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from behaviour import BEHAVIOURS, KNOWN_DEFECTS, LOCAL, cases
 from behaviour_checks import observe, verify
+from dist_behaviour_workers import DISTRIBUTED
 
 
 def run(behaviour: str, family, tmp_path) -> None:
@@ -57,10 +58,14 @@ def test_saved_and_loaded_into_another_layout_gives_the_same_outputs(family, tmp
     run("save_load", family, tmp_path)
 
 
-def test_every_family_answers_every_behaviour_once() -> None:
-    """A family has, refuses, or cannot be asked each behaviour: never two of these, and no stale defect."""
-    for family in LOCAL.values():
+def test_every_family_answers_every_behaviour_once_and_each_known_defect_is_a_case() -> None:
+    """A family has, refuses, or cannot be asked each behaviour (never two of these); a known defect names a case
+    that runs, so deleting a family or declaring a behaviour unaskable cannot hide it."""
+    families = {**LOCAL, **DISTRIBUTED}
+    for family in families.values():
         both = set(family.refuses) & set(family.not_applicable)
         assert not both, f"{family.name} both refuses and cannot be asked {both}"
         assert set(family.refuses) | set(family.not_applicable) <= set(BEHAVIOURS), family.name
-    assert {b for b, _ in KNOWN_DEFECTS} <= set(BEHAVIOURS)
+    for behaviour, name in KNOWN_DEFECTS:
+        assert behaviour in BEHAVIOURS and name in families, (behaviour, name)
+        assert behaviour not in families[name].not_applicable, (behaviour, name)

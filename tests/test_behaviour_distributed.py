@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from behaviour import BEHAVIOURS, KNOWN_DEFECTS, cases
+from behaviour import BEHAVIOURS, cases
 from behaviour_checks import verify
 from dist_behaviour_workers import DISTRIBUTED, WORLD
 from distributed import run_ranks
@@ -74,9 +74,3 @@ def test_features_named_apart_from_their_table_read_and_train_it(family, observe
 @pytest.mark.parametrize("family", cases("save_load", DISTRIBUTED))
 def test_saved_and_loaded_into_another_layout_gives_the_same_outputs(family, observed) -> None:
     _check("save_load", family, observed)
-
-
-def test_known_defects_name_families_of_the_suite() -> None:
-    from behaviour import LOCAL
-
-    assert {f for _, f in KNOWN_DEFECTS} <= set(LOCAL) | set(DISTRIBUTED)
