@@ -166,27 +166,26 @@ def _with_rows(module: nn.Module, tables: dict[str, nn.Module], init: RowInitial
     return module
 
 
-def _local(kind: str) -> Callable[..., nn.Module]:
+def _local(kind: str, sparse: bool = False) -> Callable[..., nn.Module]:
     def build(variant: str, padding_idx: int | None = None, init: RowInitializer = INIT) -> nn.Module:
         shards, strategy = LAYOUTS[variant]["user"]
         rows = initial_tables(init, padding_idx)["user"]
         if kind == "embedding":
             return shardvar.ShardedEmbedding.from_pretrained(
-                rows, False, partitioner=shards, partition_strategy=strategy,
-                padding_idx=padding_idx,
+                rows, False, partitioner=shards, partition_strategy=strategy, padding_idx=padding_idx, sparse=sparse,
             )  # fmt: skip
         if kind == "bag":
             return shardvar.ShardedEmbeddingBag.from_pretrained(
-                rows, False, partitioner=shards, partition_strategy=strategy, mode="sum",
-                padding_idx=padding_idx,
+                rows, False, partitioner=shards, partition_strategy=strategy, mode="sum", padding_idx=padding_idx,
+                sparse=sparse,
             )  # fmt: skip
         configs = (
             table_configs(variant, kind == "pooled") if padding_idx is None else padded_configs(variant, padding_idx)
         )
         if kind == "pooled":
-            ebc = shardvar.EmbeddingBagCollection(configs)
+            ebc = shardvar.EmbeddingBagCollection(configs, sparse=sparse)
             return _with_rows(ebc, dict(ebc.embedding_bags.items()), init)
-        ec = shardvar.EmbeddingCollection(configs)
+        ec = shardvar.EmbeddingCollection(configs, sparse=sparse)
         return _with_rows(ec, dict(ec.embeddings.items()), init)
 
     return build
@@ -243,6 +242,9 @@ def _local_families() -> list[Family]:
             q = {**refuses, "train_step": INFERENCE_ONLY}
             out.append(Family(f"quantized_{kind}", kind, _quantized(kind), quantized=True, trains=False, refuses=q,
                               **common))  # fmt: skip
+    for kind, refuses in base.items():  # sparse gradients: another backward, the same behaviour
+        common = {"not_applicable": {"bad_ids_one_rank": ONE_RANK, **na.get(kind, {})}}
+        out.append(Family(f"{kind}_sparse", kind, _local(kind, sparse=True), refuses=refuses, **common))
     for kind in ("embedding", "bag"):
         refuses = {"padding": NO_PADDING}
         if kind == "embedding":
@@ -271,8 +273,11 @@ _ONE_RANK_ONLY = (
 KNOWN_DEFECTS: dict[tuple[str, str], str] = {
     **{(b, "quantized_pooled"): _DROPS_FEATURES for b in BEHAVIOURS if b not in ("padding", "bad_ids_one_rank")},
     **{(b, "dist_quantized_pooled"): _DISTRIBUTED_REFUSED for b in BEHAVIOURS if b != "padding"},
-    **{("bad_ids_one_rank", f): _ONE_RANK_ONLY for f in ("dist_pooled", "dist_sequence")},
-    **{("bad_ids_one_rank", f): _ONE_RANK_ONLY for f in ("dist_pooled_placed", "dist_sequence_placed")},
+    **{
+        ("bad_ids_one_rank", f"dist_{k}{v}"): _ONE_RANK_ONLY
+        for k in ("pooled", "sequence")
+        for v in ("", "_placed", "_sparse")
+    },
 }
 
 

@@ -59,19 +59,21 @@ def _load(state: dict, path: str) -> None:
     shardvar.distributed.load(state, path, **_options())
 
 
-def _float(kind: str, placement: dict[str, str] | None = None):
+def _float(kind: str, placement: dict[str, str] | None = None, sparse: bool = False):
     def build(variant: str, padding_idx: int | None = None, init: RowInitializer = INIT) -> nn.Module:
         shards, strategy = LAYOUTS[variant]["user"]
         extra = {} if padding_idx is None else {"padding_idx": padding_idx}
         if kind == "embedding":
-            return DistributedEmbedding(10, 4, shards, strategy, initializer=init, **extra, **_options())
+            return DistributedEmbedding(10, 4, shards, strategy, initializer=init, sparse=sparse, **extra, **_options())
         if kind == "bag":
-            return DistributedEmbeddingBag(10, 4, shards, strategy, initializer=init, mode="sum", **extra, **_options())
+            return DistributedEmbeddingBag(
+                10, 4, shards, strategy, initializer=init, mode="sum", sparse=sparse, **extra, **_options()
+            )
         configs = (
             table_configs(variant, kind == "pooled") if padding_idx is None else padded_configs(variant, padding_idx)
         )
         cls = DistributedEmbeddingBagCollection if kind == "pooled" else DistributedEmbeddingCollection
-        return cls(configs, initializer=init, placement=placement, **_options())
+        return cls(configs, initializer=init, placement=placement, sparse=sparse, **_options())
 
     return build
 
@@ -113,6 +115,11 @@ def _families() -> list[Family]:
                               not_applicable=na.get(kind, {}), **common))  # fmt: skip
     for kind in ("pooled", "sequence"):  # "user" whole on one rank, "item" on every rank: the other twins' rules
         out.append(Family(f"dist_{kind}_placed", kind, _float(kind, PLACED), refuses=refuses[kind], **common))
+    for kind, refused in refuses.items():  # sparse gradients (the replicas' too): another backward, the same behaviour
+        build = _float(kind, PLACED if kind in ("pooled", "sequence") else None, sparse=True)
+        out.append(
+            Family(f"dist_{kind}_sparse", kind, build, refuses=refused, not_applicable=na.get(kind, {}), **common)
+        )
     dynamic_refuses = {
         "padding": NO_PADDING,
         "per_sample_weights": NO_WEIGHTS,
