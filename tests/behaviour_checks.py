@@ -10,12 +10,24 @@ from __future__ import annotations
 
 import re
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from behaviour import LR, PADDING, SHAPES, TABLE_OF, Family, initial_tables, make_batch, sample_weights, with_padding
+from behaviour import (
+    LR,
+    PADDING,
+    SHAPES,
+    TABLE_OF,
+    Batch,
+    Family,
+    initial_tables,
+    make_batch,
+    sample_weights,
+    with_padding,
+)
 from shardvar.variables import RowInitializer
 
 OTHER_ROWS = RowInitializer(99)  # a module loaded into starts from other rows than the one saved
@@ -76,25 +88,65 @@ def _refused(family: Family, behaviour: str, run: Any) -> dict:
     return {"refused": None}
 
 
-def _bad_ids(family: Family, rank: int, bad_ranks: tuple[int, ...]) -> dict:
-    """Each bad id (past the end, -1) on ``bad_ranks``; then a good step on every rank."""
-    module = family.build("a")
-    feature = family.features[-1 if len(family.features) == 1 else 1]  # "friend" in a collection
-    out: dict[str, Any] = {"feature": feature, "errors": [], "changed": []}
-    for bad in (SHAPES[TABLE_OF[feature]][0] + 3, -1):
-        batch = make_batch(family.features, rank, 0)
-        if rank in bad_ranks:
+Spoil = Callable[[Batch, bool], tuple[Batch, "dict | None"]]  # (batch, bad here) -> (batch, weights)
+
+
+def _bad_id(feature: str, bad: int) -> Spoil:
+    def spoil(batch: Batch, here: bool) -> tuple[Batch, None]:
+        if here:
             ids, offsets = batch[feature]
             batch[feature] = torch.cat([ids[:1], torch.tensor([bad]), ids[2:]]), offsets
+        return batch, None
+
+    return spoil
+
+
+def _bad_input(family: Family, what: str) -> Spoil:
+    feature = family.features[0]  # "user": a sum table, weighed
+
+    def spoil(batch: Batch, here: bool) -> tuple[Batch, dict | None]:
+        ids, offsets = batch[feature]
+        weights = sample_weights(batch) if what == "per_sample_weights" else None
+        if here and what == "float ids":
+            batch[feature] = ids.float(), offsets
+        elif here and what == "offsets":  # past the end of the ids
+            batch[feature] = ids, torch.tensor([0, len(ids) + 4, len(ids) + 4])
+        elif here:
+            weights[feature] = weights[feature][:-1]
+        return batch, weights
+
+    return spoil
+
+
+def bad_inputs(family: Family) -> list[str]:
+    """The inputs a family checks besides its ids' range (offsets and weights where its call takes them)."""
+    return ["float ids", *(["offsets"] if family.kind != "embedding" else []),
+            *(["per_sample_weights"] if family.kind in ("bag", "pooled") else [])]  # fmt: skip
+
+
+def _spoiled(family: Family, rank: int, bad_ranks: tuple[int, ...], spoils: list[Spoil]) -> dict:
+    """Each spoiled call (spoiled on ``bad_ranks``), what it raised and changed; then a good step on every rank."""
+    module = family.build("a")
+    out: dict[str, Any] = {"errors": [], "changed": []}
+    for spoil in spoils:
+        batch, weights = spoil(make_batch(family.features, rank, 0), rank in bad_ranks)
         before = snapshot(module)
         try:
-            step(family, module, batch)
+            step(family, module, batch, weights)
             out["errors"].append(None)
         except Exception as e:
-            out["errors"].append({**error_record(e), "bad": bad if rank in bad_ranks else None})
+            out["errors"].append({**error_record(e), "here": rank in bad_ranks})
         out["changed"].append(unchanged(module, before))
     out.update(step(family, module, make_batch(family.features, rank, 0)))
     return out
+
+
+def _bad_ids(family: Family, rank: int, bad_ranks: tuple[int, ...]) -> dict:
+    """Each bad id (past the end, -1) on ``bad_ranks``; then a good step on every rank."""
+    feature = family.features[-1 if len(family.features) == 1 else 1]  # "friend" in a collection
+    values = (SHAPES[TABLE_OF[feature]][0] + 3, -1)
+    out = _spoiled(family, rank, bad_ranks, [_bad_id(feature, bad) for bad in values])
+    return {**out, "feature": feature, "values": values}
 
 
 def _save_load(family: Family, rank: int, path: str) -> dict:
@@ -133,6 +185,9 @@ def _observe(behaviour: str, family: Family, rank: int, path: str) -> dict:
         return _bad_ids(family, rank, tuple(range(family.world)))
     if behaviour == "bad_ids_one_rank":
         return _bad_ids(family, rank, (1,))
+    if behaviour in ("bad_inputs", "bad_inputs_one_rank"):
+        bad_ranks = (1,) if behaviour == "bad_inputs_one_rank" else tuple(range(family.world))
+        return _spoiled(family, rank, bad_ranks, [_bad_input(family, what) for what in bad_inputs(family)])
     if behaviour == "padding":
         if refusal:
             return _refused(family, behaviour, lambda: family.build("a", PADDING))
@@ -206,20 +261,40 @@ def check_refusal(family: Family, behaviour: str, observed: list[dict]) -> None:
         assert re.search(pattern, got["message"]), f"rank {rank}: {got['message']!r} does not match {pattern!r}"
 
 
-def check_bad_ids(family: Family, observed: list[dict]) -> None:
-    """Every rank refuses each bad call (naming the range; the bad value and feature where it was passed),
-    no rank's tensors change, and a good step after it works."""
+def _check_spoiled(family: Family, observed: list[dict], expect: list[tuple[str, str]]) -> None:
+    """Every rank refuses each spoiled call: where it was spoiled with ``expect``'s (error, regex), elsewhere with
+    a ShardvarError that is not a failed collective; no rank's tensors change; a good step after it works."""
     for rank, obs in enumerate(observed):
-        for error, changed in zip(obs["errors"], obs["changed"], strict=True):
-            assert error is not None, f"rank {rank}: a call with a bad id (on some rank) did not raise"
-            assert {"ShardvarIndexError", "IndexError"} <= set(error["mro"]), f"rank {rank}: {error}"
-            assert re.search(r"\[0, \d+\)", error["message"]), f"rank {rank}: {error['message']!r} names no range"
-            if error["bad"] is not None:
-                assert re.search(rf"(?<![\d-]){error['bad']}(?!\d)", error["message"]), (rank, error)
-                if family.kind in ("pooled", "sequence"):
-                    assert f"'{obs['feature']}'" in error["message"], (rank, error)
+        for (error_name, pattern), error, changed in zip(expect, obs["errors"], obs["changed"], strict=True):
+            assert error is not None, f"rank {rank}: a call spoiled on some rank (wanted {error_name}) did not raise"
+            assert "ShardvarError" in error["mro"], f"rank {rank}: {error}"
+            if error["here"]:
+                assert error_name in error["mro"], f"rank {rank}: {error}"
+                assert re.search(pattern, error["message"]), f"rank {rank}: {error['message']!r} lacks {pattern!r}"
+            else:
+                assert not re.search(COLLECTIVE_FAILED, error["message"]), f"rank {rank}: {error['message']!r}"
             assert changed == [], f"rank {rank}: a refused call changed {changed}"
     check_step(family, observed, batches("train_step", family))
+
+
+COLLECTIVE_FAILED = r"failed \(RuntimeError|timeout|never reached it"
+BAD_INPUT_ERRORS = {
+    "float ids": ("ShardvarTypeError", r"integer"),
+    "offsets": ("ShardvarValueError", r"offsets"),
+    "per_sample_weights": ("ShardvarValueError", r"per_sample_weights"),
+}
+
+
+def check_bad_ids(family: Family, observed: list[dict]) -> None:
+    """Where passed, the error names the range, the value (and, in a collection, the feature); elsewhere the range."""
+    obs = observed[0]
+    feature = f"feature '{obs['feature']}'.*" if family.kind in ("pooled", "sequence") else ""
+    expect = [("ShardvarIndexError", rf"{feature}\[0, \d+\).*(?<![\d-]){bad}(?!\d)") for bad in obs["values"]]
+    _check_spoiled(family, observed, expect)
+    for rank, obs in enumerate(observed):
+        for error in obs["errors"]:
+            assert {"ShardvarIndexError", "IndexError"} <= set(error["mro"]), f"rank {rank}: {error}"
+            assert re.search(r"\[0, \d+\)", error["message"]), f"rank {rank}: {error['message']!r} names no range"
 
 
 def check_save_load(observed: list[dict]) -> None:
@@ -236,6 +311,8 @@ def verify(behaviour: str, family: Family, observed: list[dict]) -> None:
         return check_refusal(family, behaviour, observed)
     if behaviour in ("bad_ids", "bad_ids_one_rank"):
         return check_bad_ids(family, observed)
+    if behaviour in ("bad_inputs", "bad_inputs_one_rank"):
+        return _check_spoiled(family, observed, [BAD_INPUT_ERRORS[what] for what in bad_inputs(family)])
     if behaviour == "save_load":
         return check_save_load(observed)
     check_step(family, observed, batches(behaviour, family), train=behaviour != "lookup")

@@ -33,6 +33,11 @@ def test_bad_ids_are_refused_naming_them_and_change_nothing(family, tmp_path) ->
     run("bad_ids", family, tmp_path)
 
 
+@pytest.mark.parametrize("family", cases("bad_inputs", LOCAL))
+def test_bad_inputs_are_refused_naming_them_and_change_nothing(family, tmp_path) -> None:
+    run("bad_inputs", family, tmp_path)
+
+
 @pytest.mark.parametrize("family", cases("padding", LOCAL))
 def test_padding_idx_reads_zero_and_trains_nothing_or_is_refused(family, tmp_path) -> None:
     run("padding", family, tmp_path)

@@ -51,6 +51,16 @@ def test_a_bad_id_on_one_rank_is_refused_on_every_rank_and_a_good_step_follows(f
     _check("bad_ids_one_rank", family, observed)
 
 
+@pytest.mark.parametrize("family", cases("bad_inputs", DISTRIBUTED))
+def test_bad_inputs_on_every_rank_are_refused_naming_them_and_change_nothing(family, observed) -> None:
+    _check("bad_inputs", family, observed)
+
+
+@pytest.mark.parametrize("family", cases("bad_inputs_one_rank", DISTRIBUTED))
+def test_a_bad_input_on_one_rank_is_refused_on_every_rank_and_a_good_step_follows(family, observed) -> None:
+    _check("bad_inputs_one_rank", family, observed)
+
+
 @pytest.mark.parametrize("family", cases("padding", DISTRIBUTED))
 def test_padding_idx_reads_zero_and_trains_nothing_or_is_refused(family, observed) -> None:
     _check("padding", family, observed)
