@@ -80,7 +80,7 @@ def step(family: Family, module: torch.nn.Module, batch: Any, weights: dict | No
     return {"out": _detached(out), "after": _detached(after)}
 
 
-def _refused(family: Family, behaviour: str, run: Any) -> dict:
+def _refused(run: Callable[[], Any]) -> dict:
     try:
         run()
     except Exception as e:  # the refusal is compared with the family's declaration by verify
@@ -179,7 +179,7 @@ def _observe(behaviour: str, family: Family, rank: int, path: str) -> dict:
     if behaviour == "train_step":
         module = family.build("a")
         if refusal:
-            return _refused(family, behaviour, lambda: _loss(family.call(module.train(), batch)).backward())
+            return _refused(lambda: _loss(family.call(module.train(), batch)).backward())
         return step(family, module, batch)
     if behaviour == "bad_ids":
         return _bad_ids(family, rank, tuple(range(family.world)))
@@ -190,16 +190,14 @@ def _observe(behaviour: str, family: Family, rank: int, path: str) -> dict:
         return _spoiled(family, rank, bad_ranks, [_bad_input(family, what) for what in bad_inputs(family)])
     if behaviour == "padding":
         if refusal:
-            return _refused(family, behaviour, lambda: family.build("a", PADDING))
+            return _refused(lambda: family.build("a", PADDING))
         return step(family, family.build("a", PADDING), with_padding(batch))
     if behaviour == "empty_bags":
         return step(family, family.build("a"), make_batch(family.features, rank, 0, empty=True))
     if behaviour == "per_sample_weights":
         module = family.build("a")
         if refusal:
-            return _refused(
-                family, behaviour, lambda: family.call(module, batch, {"user": torch.ones(len(batch["user"][0]))})
-            )
+            return _refused(lambda: family.call(module, batch, {"user": torch.ones(len(batch["user"][0]))}))
         return step(family, module, batch, sample_weights(batch))
     if behaviour == "feature_names":  # "user" and "friend" read one table; ids both hold are one row's
         batch["friend"] = batch["user"]
