@@ -1,7 +1,7 @@
 """The roofline (issue 37): each hot path's bytes per second as a fraction of the machine's bandwidth.
 
     python benchmarks/bench_roofline.py [--rounds 5] [--threads N] [--dir DIR] [--json out.json] [--png out.png]
-                                        [--quick]
+                                        [--quick]      # the same as: shardvar bench --view roofline ...
 
 In one run: the memory bandwidth with torch on all threads (copy and triad, 256 MiB arrays, huge
 pages off and on, a child process per setting), the disk's sequential write (+ fsync) and read
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 
-from shardvar.workloads._roofline_report import main
+from shardvar.cli import main  # it sets torch's huge-page switch before torch's first allocation
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["bench", "--view", "roofline", *sys.argv[1:]]))

@@ -5,8 +5,8 @@ No timing is asserted: the figures depend on the machine; the bytes and the run'
 
 from __future__ import annotations
 
-import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardvar.cli import main
+from shardvar.cli._roofline import chart
 from shardvar.quantized import row_format
 from shardvar.workloads._roofline import (
     Traffic,
@@ -26,7 +28,6 @@ from shardvar.workloads._roofline import (
     update_bytes,
 )
 from shardvar.workloads._roofline_probes import disk_rate
-from shardvar.workloads._roofline_report import add_arguments, chart, run
 
 SCRIPT = Path(__file__).parent.parent / "benchmarks" / "bench_roofline.py"
 IDS = torch.tensor([0, 1, 1])  # 3 int64 ids (8 bytes each), 2 distinct
@@ -90,23 +91,20 @@ def test_the_byte_model_counts_ids_once_rows_per_id_and_updates_per_distinct_row
     assert update_bytes(twice, row, state) == update_bytes(t, row, state)
 
 
-def _args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return parser.parse_args(list(argv))
-
-
 @pytest.mark.parametrize(
     ("argv", "match"),
     [
-        (["--rounds", "0"], r"--rounds and --threads must be >= 1; got 0, "),
-        (["--threads", "0"], r"--rounds and --threads must be >= 1; got 5, 0"),
-        (["--dir", "/nonexistent/roofline"], r"--dir /nonexistent/roofline is not a directory"),
+        (["--view", "roofline", "--rows", "10"], r"--rows do\(es\) not apply to --view roofline"),
+        (["--view", "roofline", "--only", "lookup"], r"--only do\(es\) not apply to --view roofline"),
+        (["--rounds", "3", "--quick"], r"--rounds, --quick do\(es\) not apply to --view ratios"),
     ],
 )
-def test_bad_options_are_refused_before_anything_runs(argv: list[str], match: str) -> None:
-    with pytest.raises(SystemExit, match=match):
-        run(_args(*argv))
+def test_a_flag_the_view_would_ignore_is_refused(argv: list[str], match: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err
+    assert re.search(match, err), err
 
 
 def test_the_chart_says_what_it_needs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

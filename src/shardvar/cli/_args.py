@@ -21,6 +21,7 @@ from ..partitioners import element_size
 __all__ = [
     "ArgType",
     "dtype_name",
+    "existing_dir",
     "input_file",
     "input_path",
     "integer",
@@ -114,6 +115,11 @@ def _output_dir(value: str) -> str:
     return value
 
 
+def _existing_dir(value: str) -> str:
+    _writable_dir(_nonempty(value), "the directory")
+    return value
+
+
 def _input_path(value: str) -> str:
     path = _nonempty(value)
     # A TensorFlow checkpoint is named by its prefix: `model.ckpt-3` stands for `model.ckpt-3.index`.
@@ -149,6 +155,7 @@ _UNDER_A_FILE = os.path.join(os.devnull, "x")  # a path no one can create: its p
 
 output_file = ArgType(_output_file, "output file", ["", _UNDER_A_FILE, "."])
 output_dir = ArgType(_output_dir, "output directory", ["", _UNDER_A_FILE, os.devnull])
+existing_dir = ArgType(_existing_dir, "directory", ["", _UNDER_A_FILE, "/nonexistent/shardvar-dir"])
 input_path = ArgType(_input_path, "input path", ["", "/nonexistent/shardvar-input"])
 input_file = ArgType(_input_file, "input file", ["", "/nonexistent/shardvar-input.json", "."])
 dtype_name = ArgType(_dtype, "dtype", ["float99", ""])

@@ -11,14 +11,16 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import tempfile
 from pathlib import Path
 
 import torch
 
-from ..workloads import BENCH_SUITES, HUGE_PAGE_SETTINGS, BenchSettings, use_huge_page_setting
-from ._args import integer, output_file, real
+from ..workloads import BENCH_SUITES, HUGE_PAGE_SETTINGS, BenchSettings, default_threads, use_huge_page_setting
+from ._args import existing_dir, integer, output_file, real
 from ._bench_pages import run_both_settings
 from ._console import print_table, step_progress
+from ._roofline import run_roofline
 
 __all__ = ["add_bench_parser", "bench_settings", "plain_settings"]
 
@@ -30,10 +32,17 @@ def bench_settings(args: argparse.Namespace) -> BenchSettings:
 
 def plain_settings(args: argparse.Namespace) -> dict:
     """The flags as the JSON file records them."""
-    return {k: v for k, v in vars(args).items() if not callable(v)}
+    return {k: v for k, v in vars(args).items() if not callable(v) and k != "defaults"}
+
+
+# The flags each view reads; a flag of the other view given a value is refused (it would be ignored).
+ROOFLINE_FLAGS = ("rounds", "quick", "threads", "dir")
+RATIO_FLAGS = ("rows", "dim", "ids", "shards", "procs", "checkpoint_mib", "repeats", "only", "progress", "huge_pages")
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.view == "roofline":
+        return run_roofline(args)
     if args.huge_pages == "both":
         return run_both_settings(args, _chart)
     use_huge_page_setting(args.huge_pages)
@@ -91,6 +100,13 @@ def check_bench(args: argparse.Namespace) -> str | None:
     """What the flags cannot do together, and what --png needs, found before the benchmarks run."""
     if args.png and importlib.util.find_spec("matplotlib") is None:
         return "--png needs matplotlib: pip install 'shardvar[plot]'"
+    unread = RATIO_FLAGS if args.view == "roofline" else ROOFLINE_FLAGS
+    given = [name for name in unread if getattr(args, name) != args.defaults[name]]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        return f"{flags} do(es) not apply to --view {args.view}: leave it out, or choose the view that reads it"
+    if args.view == "roofline":
+        return None
     runs_distributed = not args.only or "distributed" in args.only
     if runs_distributed and args.ids < args.procs:
         return f"--ids {args.ids} gives no ids to some of --procs {args.procs} processes; use at least one per process"
@@ -116,4 +132,17 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         default="both",
         help="torch's THP_MEM_ALLOC_ENABLE off, on, or both",
     )
+    p.add_argument(
+        "--view",
+        choices=["ratios", "roofline"],
+        default="ratios",
+        help="ratios: sharded / unsharded time; roofline: each hot path's share of the memory and disk bandwidth",
+    )
+    p.add_argument("--rounds", type=integer(1), default=5, help="roofline: interleaved rounds of every path and probe")
+    p.add_argument("--quick", action="store_true", help="roofline: tiny sizes, one round (a check that it runs)")
+    p.add_argument("--threads", type=integer(1), default=default_threads(), help="roofline: torch threads")
+    p.add_argument(
+        "--dir", type=existing_dir, default=tempfile.gettempdir(), help="roofline: where the disk probes write"
+    )
     p.set_defaults(func=run_bench, check=check_bench)
+    p.set_defaults(defaults={a.dest: a.default for a in p._actions})

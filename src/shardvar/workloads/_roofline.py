@@ -36,8 +36,8 @@ from ..nn import EmbeddingBagCollection, ShardedEmbedding, ShardedEmbeddingBag, 
 from ..optim import RowWiseAdagrad, RowWiseAdam, fuse
 from ..quantized import quantize, row_format
 from ..variables import shard_tensor
-from ._timing import zipf_ids
 from ._roofline_probes import drop_cache
+from ._timing import zipf_ids
 
 __all__ = [
     "GOAL",
