@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import shardvar.tf
 from shardvar import CheckpointError
 from shardvar.tf import TFCheckpoint, _reader, list_variables, load_variable
-from shardvar.tf._bundle import _signed, slice_key
+from shardvar.tf._slices import _signed, slice_key
 from tf_bundle import write_bundle
 
 DATA = Path(__file__).parent / "data" / "tf"
