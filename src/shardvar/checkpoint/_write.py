@@ -268,7 +268,7 @@ def _manifest(everyone: list[Any], save_id: str) -> Manifest:
             )
         variables[name] = VariableEntry(name, dtype, shape, layout, tuple(p for _, p in found))
     extras = [x for _, _, x in everyone]
-    optimizers = {k: merge_infos([x["optimizers"][k] for x in extras]) for k in extras[0].get("optimizers", {})}
+    optimizers = {k: merge_infos([x["optimizers"][k] for x in extras], k) for k in extras[0].get("optimizers", {})}
     return Manifest(variables, {**extras[0], "optimizers": optimizers}, save_id)
 
 
