@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .._errors import ShardvarDTypeError, ShardvarValueError
-from .._validate import check_bool, check_choice, check_int, check_number
+from .._validate import BAG_MODES, check_bag_mode, check_bool, check_int, check_number
 from ..layout import as_ids, check_ids
 from . import _gather
 from ._autograd import GatherRows, SlabView, gather_local, scatter_grads
@@ -31,7 +31,7 @@ from ._jagged import bags, on_values
 from ._store import ShardStore
 
 __all__ = [
-    "BAG_MODES",
+    "BAG_MODES",  # the one definition is _validate's: re-exported for the lookups built on this module
     "check_padding_idx",
     "embedding",
     "embedding_bag",
@@ -41,8 +41,6 @@ __all__ = [
     "scatter_grads",
     "slab_weight",
 ]
-
-BAG_MODES = ("sum", "mean", "max")
 
 
 class _Source(NamedTuple):
@@ -348,7 +346,7 @@ def embedding_bag(
 
     Jagged ``[B, j]`` input is B bags (its rows), as ``F.embedding_bag`` reads it.
     """
-    check_choice(mode, "mode", BAG_MODES)
+    check_bag_mode(mode)
     ids, offsets, per_sample_weights, include_last_offset = bags(ids, offsets, per_sample_weights, include_last_offset)
     # torch has no sparse gradient for max bags; fetched rows give each shard a sparse one anyway.
     by_rows = sparse and mode == "max"
