@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .._errors import ShardvarDTypeError, ShardvarValueError
+from .._errors import ShardvarDeviceError, ShardvarDTypeError, ShardvarValueError
 from .._validate import BAG_MODES, check_bag_mode, check_bool, check_int, check_number
 from ..layout import as_ids, check_ids
 from . import _gather
@@ -155,6 +155,24 @@ def _on_meta(store: ShardStore) -> bool:
     return bool(store.groups) and store.groups[0].device.type == "meta"
 
 
+def check_readable(store: ShardStore) -> None:
+    """Refuse a read of a store whose shards lie some on the meta device and some on real ones.
+
+    All on meta (a table being planned), reads give shape-only meta results; a mix (a shard
+    materialised or moved alone) has rows with values and rows without, so no read is whole.
+    """
+    groups = store.groups
+    if len(groups) > 1 and len({g.device.type == "meta" for g in groups}) > 1:
+        meta = sorted(s for s, t in store.local_shards().items() if t.is_meta)
+        real = sorted({str(g.device) for g in groups if g.device.type != "meta"})
+        raise ShardvarDeviceError(
+            f"shard{'s' if len(meta) > 1 else ''} {', '.join(map(str, meta))} of the variable "
+            f"{'are' if len(meta) > 1 else 'is'} on the meta device (no values) and the others on {real}; "
+            "a read needs them all on real devices (materialise them, e.g. module.to_empty(device=...)), "
+            "or all on meta for shapes only"
+        )
+
+
 def _ids(store: ShardStore, ids: Any, check: bool = True) -> torch.Tensor:
     """``ids`` as an int64 tensor, checked against the table unless ``check`` is False (the caller's op does)."""
     device = store.groups[0].device if store.groups else None
@@ -216,6 +234,7 @@ def _prepare(
     where it checks them (:func:`_op_checks_ids`); the last value says if they were.
     """
     store.refresh()
+    check_readable(store)
     max_norm, norm_type = _options(store, max_norm, norm_type)
     deferred = defer and _op_checks_ids(store, ids, max_norm)
     ids = _ids(store, ids, check=not deferred)

@@ -227,7 +227,7 @@ def safe_embedding_lookup_sparse(
     bag = bag[keep.to(bag.device)]
     out = _combine(variable, ids[keep], bag, weights, batch, combiner, max_norm)
     if default_id is not None:
-        empty = torch.bincount(bag.to(out.device), minlength=batch) == 0
+        empty = (torch.bincount(bag, minlength=batch) == 0).to(out.device)  # counted where the ids are: not meta
         default_row = embedding_lookup(variable, torch.tensor([default_id], device=variable.device), max_norm=max_norm)
         out = torch.where(empty.reshape((-1, *[1] * (out.dim() - 1))), default_row.to(out.device), out)
     return out.reshape((*batch_shape, *out.shape[1:]))
