@@ -21,17 +21,18 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .._errors import ShardvarDeviceError, ShardvarDTypeError, ShardvarValueError
+from .._errors import ShardvarDTypeError, ShardvarValueError
 from .._validate import BAG_MODES, check_bag_mode, check_bool, check_int, check_number
 from ..layout import as_ids, check_ids
 from . import _gather
 from ._autograd import GatherRows, SlabView, gather_local, scatter_grads
 from ._distinct import Distinct, distinct, expand
 from ._jagged import bags, on_values
+from ._meta import check_readable
 from ._store import ShardStore
 
 __all__ = [
-    "BAG_MODES",  # the one definition is _validate's: re-exported for the lookups built on this module
+    "BAG_MODES",
     "check_padding_idx",
     "embedding",
     "embedding_bag",
@@ -153,24 +154,6 @@ def _transformed(t: torch.Tensor) -> bool:
 
 def _on_meta(store: ShardStore) -> bool:
     return bool(store.groups) and store.groups[0].device.type == "meta"
-
-
-def check_readable(store: ShardStore) -> None:
-    """Refuse a read of a store whose shards lie some on the meta device and some on real ones.
-
-    All on meta (a table being planned), reads give shape-only meta results; a mix (a shard
-    materialised or moved alone) has rows with values and rows without, so no read is whole.
-    """
-    groups = store.groups
-    if len(groups) > 1 and len({g.device.type == "meta" for g in groups}) > 1:
-        meta = sorted(s for s, t in store.local_shards().items() if t.is_meta)
-        real = sorted({str(g.device) for g in groups if g.device.type != "meta"})
-        raise ShardvarDeviceError(
-            f"shard{'s' if len(meta) > 1 else ''} {', '.join(map(str, meta))} of the variable "
-            f"{'are' if len(meta) > 1 else 'is'} on the meta device (no values) and the others on {real}; "
-            "a read needs them all on real devices (materialise them, e.g. module.to_empty(device=...)), "
-            "or all on meta for shapes only"
-        )
 
 
 def _ids(store: ShardStore, ids: Any, check: bool = True) -> torch.Tensor:

@@ -15,7 +15,8 @@ import torch
 from .._errors import ShardvarIndexError, ShardvarTypeError
 from .._validate import check_has_values
 from ..layout import Layout, last_occurrence
-from ._functional import check_readable, gather
+from ._functional import gather
+from ._meta import check_readable
 from ._store import ShardStore
 from ._update import check_writable, scatter
 from ._values import check_local, coerce, device_of, materialise

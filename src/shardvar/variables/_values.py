@@ -8,7 +8,8 @@ import torch
 
 from .._errors import ShardvarTypeError, ShardvarValueError
 from .._validate import check_has_values
-from ._functional import check_readable, gather, slab_weight
+from ._functional import gather, slab_weight
+from ._meta import check_readable
 from ._store import ShardStore
 
 __all__ = ["materialise", "as_value", "coerce", "check_local", "check_range", "device_of", "ids_device"]
