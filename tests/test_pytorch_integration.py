@@ -105,5 +105,7 @@ def test_zero_d_ids_and_dtype_mismatches() -> None:
     weights = torch.sparse_coo_tensor(
         [[0, 0], [0, 1]], torch.ones(2, dtype=torch.float64), (1, 2), check_invariants=True
     )
-    with pytest.raises(TypeError, match="sp_weights must have the params' dtype"):
-        shardvar.embedding_lookup_sparse(v, ids, weights)
+    # sp_weights follow TensorFlow's rule (any float dtype, cast to the one pooled in), not per_sample_weights's
+    got = shardvar.embedding_lookup_sparse(v, ids, weights)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, shardvar.embedding_lookup_sparse(v, ids, weights.float()))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,7 @@ from hypothesis import strategies as st
 import shardvar.tf
 from shardvar import CheckpointError
 from shardvar.tf import TFCheckpoint, _reader, list_variables, load_variable
-from shardvar.tf._bundle import _signed, slice_key
+from shardvar.tf._slices import _signed, slice_key
 from tf_bundle import write_bundle
 
 DATA = Path(__file__).parent / "data" / "tf"
@@ -119,6 +121,22 @@ def test_slice_key_escapes_special_bytes() -> None:
     assert slice_key("a\x00b\xff", []) == b"\x00a\x00\xffb\xc3\xbf\x00\x01\x00"  # a name's UTF-8 bytes, 0 escaped
     key = slice_key("e", [(0, 4), (0, -1)])
     assert key == b"\x00e\x00\x01\x01\x02\x80\x84\x80\x7f"
+
+
+def test_import_shardvar_reaches_tf_without_loading_protobuf() -> None:
+    """``import shardvar`` then ``shardvar.tf.list_variables``: protobuf is loaded on that first use, not before."""
+    script = (
+        "import sys, shardvar\n"
+        "assert 'google.protobuf' not in sys.modules and 'shardvar.tf' not in sys.modules, sorted(sys.modules)\n"
+        "assert 'tf' in dir(shardvar)\n"
+        f"names = shardvar.tf.list_variables({str(DATA / 'saver_v1')!r})\n"
+        "assert ('emb', [10, 4]) in names and 'google.protobuf' in sys.modules, names\n"
+        "assert shardvar.tf is sys.modules['shardvar.tf']\n"
+        "try:\n    shardvar.no_such_name\nexcept AttributeError as e:\n    assert 'no_such_name' in str(e)\n"
+        "else:\n    raise SystemExit('an unknown attribute resolved')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_public_names() -> None:

@@ -14,8 +14,8 @@ from pathlib import Path
 import google_crc32c
 import numpy as np
 
-from shardvar.tf._bundle import slice_key
 from shardvar.tf._proto import BundleEntryProto, BundleHeaderProto
+from shardvar.tf._slices import slice_key
 from shardvar.tf._table import MAGIC, mask
 
 CODES = {

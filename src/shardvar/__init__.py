@@ -2,6 +2,7 @@
 
 Layers, each importable without the ones above it: ``shardvar.layout`` (pure layout math) ->
 ``shardvar.partitioners`` -> ... The public names are re-exported here one by one.
+``shardvar.tf`` is imported on first use (it needs protobuf, which ``import shardvar`` never loads).
 """
 
 from . import dynamic, optim
@@ -75,6 +76,21 @@ from .variables import (
 from .variables._torch_function import ShardvarMaterializeWarning
 
 __version__ = "0.1.0"
+
+_LAZY = ("tf",)  # subpackages imported on first attribute access: their dependencies load only then
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")  # also binds it here: later accesses skip this
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "CheckpointError",

@@ -29,6 +29,8 @@ __all__ = [
     "check_number",
     "check_bool",
     "check_choice",
+    "BAG_MODES",
+    "check_bag_mode",
     "check_float_dtype",
     "check_shape",
     "normalise_axis",
@@ -129,6 +131,15 @@ def check_choice(value: Any, name: str, choices: Sequence[Any]) -> Any:
     if not ok:
         raise ShardvarValueError(f"{name} must be one of {list(choices)}; got {value!r:.80}")
     return value
+
+
+# How a bag pools its rows (nn.EmbeddingBag's modes), in the order of torch's kernel codes (sum 0, mean 1, max 2).
+BAG_MODES = ("sum", "mean", "max")
+
+
+def check_bag_mode(mode: Any, name: str = "mode") -> str:
+    """``mode`` if it is a bag mode (:data:`BAG_MODES`), else an error listing them."""
+    return check_choice(mode, name, BAG_MODES)
 
 
 def check_shape(shape: object) -> tuple[int, ...]:

@@ -19,7 +19,7 @@ from .._validate import check_int
 from ..layout import Layout
 from ._chain import Chain, RowChanges, apply_rows
 from ._manifest import Manifest, VariableEntry
-from ._optim import check_group_count, check_optimizer, restored_groups
+from ._optim import OptimizerRecord, check_group_count, check_optimizer, restored_groups, slot_name
 from ._quantize import check_packed
 from ._restore import Files, _check_file, restore_into, restore_shard, restore_shards, verify_shards
 from ._state import Partial, State, notify, param_names, resolve
@@ -66,29 +66,30 @@ def _match(entry: VariableEntry, dtype: torch.dtype, shape: tuple[int, ...]) -> 
 
 def _optimizer_targets(
     chain: Chain, state: State, key: str, optimizer: torch.optim.Optimizer, partial_ok: bool
-) -> tuple[list[_Target], dict[int, dict[str, Any]]]:
-    saved = chain.extra.get("optimizers", {}).get(key)
-    if saved is None:
+) -> tuple[list[_Target], dict[int, dict[str, Any]], list[dict[str, Any]]]:
+    raw = chain.extra.get("optimizers", {}).get(key)
+    if raw is None:
         raise CheckpointError(f"optimizer {key!r} is not in the checkpoint")
+    saved = OptimizerRecord.from_json(raw, key)
     check_optimizer(saved, state, key, optimizer, partial_ok)
     names = [n for group in param_names(state, optimizer) for n in group]
     params = [p for g in optimizer.param_groups for p in g["params"]]
     targets, slots = [], {}
     for i, (p, name) in enumerate(zip(params, names, strict=True)):
         owner = state.shard_of.get(id(p))
-        for slot in saved["slots"].get(name, []):
-            scalar = saved["scalars"].get(f"{name}/{slot}", _MISSING)
+        for slot in sorted(saved.slots.get(name, ())):
+            scalar = saved.scalar(name, slot, _MISSING)
             if scalar is not _MISSING:
                 slots.setdefault(i, {})[slot] = scalar
                 continue
-            entry, files, changes = _source(chain, f"{key}/{name}/{slot}")
+            entry, files, changes = _source(chain, slot_name(key, name, slot))
             if owner is not None and entry.shape == tuple(owner[2].shape):
                 target = _Target(entry, owner[2].layout, [(owner[1], None)], files, changes)
             else:
                 target = _Target(entry, None, [(0, None)], files, changes)
             targets.append(target)
             slots.setdefault(i, {})[slot] = target
-    return targets, slots
+    return targets, slots, saved.param_groups
 
 
 _MISSING = object()
@@ -106,9 +107,9 @@ def _plan_load(chain: Chain, state: State, partial_ok: bool) -> tuple[list[_Targ
             targets.append(_Target(entry, None, [(0, value)], files, changes))
     optimizer_plans = {}
     for key, optimizer in state.optimizers.items():
-        more, slots = _optimizer_targets(chain, state, key, optimizer, partial_ok)
+        more, slots, groups = _optimizer_targets(chain, state, key, optimizer, partial_ok)
         targets += more
-        optimizer_plans[key] = (slots, chain.extra["optimizers"][key]["param_groups"])
+        optimizer_plans[key] = (slots, groups)
     for key, optimizer in state.table_optimizers.items():
         saved = (chain.extra.get("table_optimizers") or {}).get(key)
         if saved is not None:  # (checkpoints before options were saved: the optimizer keeps its own)

@@ -10,6 +10,7 @@ gives); anything unmatched is an error, never a silent loss.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,6 +19,9 @@ from .._errors import CheckpointError
 from ._state import Partial, State, param_names
 
 __all__ = [
+    "OptimizerRecord",
+    "slot_name",
+    "split_slot_name",
     "optimizer_state",
     "optimizer_info",
     "merge_infos",
@@ -28,6 +32,78 @@ __all__ = [
 ]
 
 _SCALARS = (int, float, bool, str, type(None))
+
+
+def slot_name(key: str, param: str, slot: str) -> str:
+    """The checkpoint variable holding state ``slot`` of parameter ``param`` of optimizer ``key``.
+
+    The one naming rule: saving, loading and ``shardvar.tf.convert`` all call it. A key and a
+    state key hold no '/', so :func:`split_slot_name` reads any parameter name back.
+
+    >>> slot_name("opt", "model/weight", "exp_avg")
+    'opt/model/weight/exp_avg'
+    """
+    return f"{key}/{param}/{slot}"
+
+
+def split_slot_name(name: str) -> tuple[str, str, str] | None:
+    """``(key, param, slot)`` of a name :func:`slot_name` makes; None for a name it cannot make."""
+    key, _, rest = name.partition("/")
+    param, _, slot = rest.rpartition("/")
+    return (key, param, slot) if key and param and slot else None
+
+
+@dataclass
+class OptimizerRecord:
+    """The manifest's record of one optimizer: what a load needs to rebuild its state, before reading any.
+
+    Its JSON form (``extra["optimizers"][key]``) is ``{"class", "param_groups", "slots", "scalars"}``;
+    tensor state lives in the variables :func:`slot_name` names, other state here, under
+    ``"<param>/<slot>"``.
+    """
+
+    cls: str  # module.qualname of the optimizer's class
+    param_groups: list[dict[str, Any]]  # each group's options and its parameters' names ("params")
+    slots: dict[str, set[str]] = field(default_factory=dict)  # parameter name -> its state keys
+    scalars: dict[str, Any] = field(default_factory=dict)  # "<param>/<slot>" -> a JSON state value
+
+    def add(self, param: str, slot: str, scalar: Any = None, *, tensor: bool = True) -> None:
+        """Record state ``slot`` of ``param``: a tensor (saved as a variable) or, ``tensor=False``, ``scalar``."""
+        self.slots.setdefault(param, set()).add(slot)
+        if not tensor:
+            self.scalars[f"{param}/{slot}"] = scalar
+
+    def scalar(self, param: str, slot: str, missing: Any) -> Any:
+        """The saved value of non-tensor state ``slot`` of ``param``; ``missing`` when it is a tensor."""
+        return self.scalars.get(f"{param}/{slot}", missing)
+
+    def to_json(self) -> dict[str, Any]:
+        slots = {name: sorted(s) for name, s in self.slots.items()}
+        return {"class": self.cls, "param_groups": self.param_groups, "slots": slots, "scalars": dict(self.scalars)}
+
+    @classmethod
+    def from_json(cls, raw: Any, key: str) -> OptimizerRecord:
+        """The record of optimizer ``key`` a manifest holds; CheckpointError when it is malformed."""
+        ok = isinstance(raw, dict) and {"class", "param_groups", "slots", "scalars"} <= set(raw)
+        ok = ok and isinstance(raw["class"], str) and isinstance(raw["param_groups"], list)
+        ok = ok and all(isinstance(g, dict) and isinstance(g.get("params", []), list) for g in raw["param_groups"])
+        ok = ok and isinstance(raw["slots"], dict) and isinstance(raw["scalars"], dict)
+        if not ok or not all(isinstance(v, list) and all(isinstance(s, str) for s in v) for v in raw["slots"].values()):
+            raise CheckpointError(f"the checkpoint's record of optimizer {key!r} is malformed")
+        slots = {name: set(v) for name, v in raw["slots"].items()}
+        return cls(raw["class"], [dict(g) for g in raw["param_groups"]], slots, dict(raw["scalars"]))
+
+    @classmethod
+    def merge(cls, records: list[OptimizerRecord]) -> OptimizerRecord:
+        """One record from every rank's (each rank's optimizer holds its own shards of the tables)."""
+        merged = cls(records[0].cls, [dict(g) for g in records[0].param_groups])
+        for record in records:
+            for group, theirs in zip(merged.param_groups, record.param_groups, strict=True):
+                group["params"] = list(dict.fromkeys([*group.get("params", []), *theirs.get("params", [])]))
+            for name, slots in record.slots.items():
+                merged.slots.setdefault(name, set()).update(slots)
+            merged.scalars.update(record.scalars)
+        return merged
 
 
 def _json(value: Any, what: str) -> Any:
@@ -61,62 +137,50 @@ def optimizer_state(state: State, key: str, optimizer: torch.optim.Optimizer) ->
                 if owner is not None and value.shape == p.shape:
                     sharded.setdefault((names[g][i], slot), {})[owner[1]] = value.detach()
                 else:
-                    tensors.setdefault(f"{key}/{names[g][i]}/{slot}", value.detach())
+                    tensors.setdefault(slot_name(key, names[g][i], slot), value.detach())
     for (name, slot), by_shard in sharded.items():
         variable = state.variables[name]
         # A shard the optimizer never stepped has no slot yet: it holds zeros, as fresh state does.
         slots = {s: by_shard.get(s, torch.zeros_like(t)).detach() for s, t in variable.shards.items()}
-        tensors[f"{key}/{name}/{slot}"] = Partial(variable.layout, variable.shape, variable.dtype, slots)
+        tensors[slot_name(key, name, slot)] = Partial(variable.layout, variable.shape, variable.dtype, slots)
     return tensors
 
 
 def optimizer_info(state: State, key: str, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The manifest's record of an optimizer: class, hyper-parameters, parameters and their slots."""
+    """The manifest's record of an optimizer (:class:`OptimizerRecord`), as JSON."""
     names = param_names(state, optimizer)
-    groups, slots, scalars = [], {}, {}
+    record = OptimizerRecord(_class_name(optimizer), [])
     for g, group in enumerate(optimizer.param_groups):
         hyper = {k: _json(v, f"option {k!r} of param group {g} of {key!r}") for k, v in group.items() if k != "params"}
-        groups.append({**hyper, "params": list(dict.fromkeys(names[g]))})
+        record.param_groups.append({**hyper, "params": list(dict.fromkeys(names[g]))})
         for i, p in enumerate(group["params"]):
             for slot, value in optimizer.state.get(p, {}).items():
-                slots.setdefault(names[g][i], set()).add(slot)
-                if not isinstance(value, torch.Tensor):
-                    scalars[f"{names[g][i]}/{slot}"] = _json(value, f"state {slot!r} of {names[g][i]!r} in {key!r}")
-    return {
-        "class": _class_name(optimizer),
-        "param_groups": groups,
-        "slots": {name: sorted(s) for name, s in slots.items()},
-        "scalars": scalars,
-    }
+                tensor = isinstance(value, torch.Tensor)
+                scalar = None if tensor else _json(value, f"state {slot!r} of {names[g][i]!r} in {key!r}")
+                record.add(names[g][i], slot, scalar, tensor=tensor)
+    return record.to_json()
 
 
-def merge_infos(infos: list[dict[str, Any]]) -> dict[str, Any]:
-    """One record from every rank's (each rank's optimizer holds its own shards of the tables)."""
-    merged = {**infos[0], "param_groups": [dict(g) for g in infos[0]["param_groups"]], "slots": {}, "scalars": {}}
-    for info in infos:
-        for group, theirs in zip(merged["param_groups"], info["param_groups"], strict=True):
-            group["params"] = list(dict.fromkeys([*group["params"], *theirs["params"]]))
-        for name, slots in info["slots"].items():
-            merged["slots"][name] = sorted({*merged["slots"].get(name, []), *slots})
-        merged["scalars"].update(info["scalars"])
-    return merged
+def merge_infos(infos: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """One record of optimizer ``key`` from every rank's, as JSON."""
+    return OptimizerRecord.merge([OptimizerRecord.from_json(info, key) for info in infos]).to_json()
 
 
-def check_optimizer(saved: Any, state: State, key: str, optimizer: torch.optim.Optimizer, partial_ok: bool) -> None:
+def check_optimizer(
+    saved: OptimizerRecord, state: State, key: str, optimizer: torch.optim.Optimizer, partial_ok: bool
+) -> None:
     """Raise unless ``optimizer`` can take the saved state whole (``partial_ok``: a rank's own part)."""
-    if not isinstance(saved, dict) or not {"class", "param_groups", "slots", "scalars"} <= set(saved):
-        raise CheckpointError(f"the checkpoint's record of optimizer {key!r} is malformed")
-    if saved["class"] != _class_name(optimizer):
+    if saved.cls != _class_name(optimizer):
         raise CheckpointError(
-            f"optimizer {key!r} was saved as {saved['class']}; the target is {_class_name(optimizer)}: "
+            f"optimizer {key!r} was saved as {saved.cls}; the target is {_class_name(optimizer)}: "
             "load it into an optimizer of the same class"
         )
     names = param_names(state, optimizer)
-    if len(saved["param_groups"]) != len(names):
+    if len(saved.param_groups) != len(names):
         raise CheckpointError(
-            f"optimizer {key!r} has {len(names)} param groups; the checkpoint has {len(saved['param_groups'])}"
+            f"optimizer {key!r} has {len(names)} param groups; the checkpoint has {len(saved.param_groups)}"
         )
-    for g, (group, mine) in enumerate(zip(saved["param_groups"], names, strict=True)):
+    for g, (group, mine) in enumerate(zip(saved.param_groups, names, strict=True)):
         theirs, ours = list(group.get("params", [])), list(dict.fromkeys(mine))
         missing = [n for n in theirs if n not in ours]
         extra = [n for n in ours if n not in theirs]

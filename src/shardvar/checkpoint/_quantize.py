@@ -18,6 +18,7 @@ from .._validate import check_bool
 from ..variables._packed import FORMATS, RowFormat, row_format
 from ._chain import Chain
 from ._manifest import MANIFEST, VariableEntry
+from ._optim import split_slot_name
 from ._reshard import _rewritten
 from ._restore import _check_file
 from ._write import Entry, Progress, write
@@ -52,8 +53,8 @@ def check_packed(extra: dict[str, Any], entry: VariableEntry, target: dict[str, 
 
 
 def _optimizer_names(chain: Chain) -> set[str]:
-    keys = list(chain.extra.get("optimizers") or {})
-    return {n for n in chain.names() if any(n.startswith(f"{k}/") for k in keys)}
+    keys = set(chain.extra.get("optimizers") or {})
+    return {n for n in chain.names() if (parts := split_slot_name(n)) is not None and parts[0] in keys}
 
 
 def _chosen(chain: Chain, tables: Any, skip: set[str]) -> list[str]:

@@ -31,10 +31,10 @@ __all__ = ["Entry", "Coordinator", "Progress", "agree", "entry_of", "check_dtype
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 FILE_BYTES = 1 << 30  # roll over to a new data file past this size
-_OURS = re.compile(
-    r"^(data-[0-9a-f]+-(r\d+-)?\d+\.safetensors|manifest\.json\.tmp-[0-9a-f]+|spare-[0-9a-f]+\.safetensors)$"
-)
-_SPARE = re.compile(r"^spare-[0-9a-f]+\.safetensors$")
+_DATA_NAME, _SPARE_NAME = r"data-[0-9a-f]+-(r\d+-)?\d+\.safetensors", r"spare-[0-9a-f]+\.safetensors"
+_OURS = re.compile(rf"^({_DATA_NAME}|manifest\.json\.tmp-[0-9a-f]+|{_SPARE_NAME})$")
+_SPARE = re.compile(rf"^{_SPARE_NAME}$")
+_DATA = re.compile(rf"^{_DATA_NAME}$")
 
 
 @dataclass
@@ -127,10 +127,22 @@ def _layout_files(entries: list[Entry]) -> list[list[tuple[Entry, int]]]:
     return [f for f in files if f]
 
 
-def _spares(directory: Path) -> list[Path]:
+def _reusable(directory: Path) -> list[Path]:
+    """Files a save may overwrite in place, smallest first: spares, and data files no manifest names.
+
+    A data file the manifest does not name is a killed save's (a save that fails removes its own,
+    and the directory's lock keeps out every other writer); reusing it reclaims its space, where
+    it would otherwise stay behind as a spare. A manifest that cannot be read names nothing
+    certain, so then only spares are reused.
+    """
+    try:
+        named = Manifest.read(directory).files() if (directory / MANIFEST).exists() else set()
+    except CheckpointError:
+        named = None
     with os.scandir(directory) as it:
         found = [(e.stat(follow_symlinks=False).st_size, Path(e.path)) for e in it
-                 if _SPARE.match(e.name) and e.is_file(follow_symlinks=False)]  # fmt: skip
+                 if (_SPARE.match(e.name) or (named is not None and _DATA.match(e.name) and e.name not in named))
+                 and e.is_file(follow_symlinks=False)]  # fmt: skip
     return [p for _, p in sorted(found)]
 
 
@@ -157,7 +169,7 @@ def _write_files(
     total = sum(e.nbytes for e in entries)
     pieces: dict[str, list[tuple[int, Piece]]] = {e.name: [] for e in entries}
     written: list[Path] = []
-    spares = _spares(directory) if reuse else []
+    spares = _reusable(directory) if reuse else []
     done = 0
 
     def report(nbytes: int) -> None:
@@ -256,7 +268,7 @@ def _manifest(everyone: list[Any], save_id: str) -> Manifest:
             )
         variables[name] = VariableEntry(name, dtype, shape, layout, tuple(p for _, p in found))
     extras = [x for _, _, x in everyone]
-    optimizers = {k: merge_infos([x["optimizers"][k] for x in extras]) for k in extras[0].get("optimizers", {})}
+    optimizers = {k: merge_infos([x["optimizers"][k] for x in extras], k) for k in extras[0].get("optimizers", {})}
     return Manifest(variables, {**extras[0], "optimizers": optimizers}, save_id)
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._errors import ShardvarTypeError, ShardvarValueError
-from .._validate import check_bool, check_choice, check_int
+from .._validate import check_bag_mode, check_bool, check_int
 from ..layout import Layout
 from ..nn import ShardedEmbedding
 from ..variables import ShardStore
@@ -240,7 +240,7 @@ class DynamicEmbeddingBag(_DynamicTable):
     def __init__(
         self, embedding_dim: int, capacity: int, num_shards: int = 1, *, mode: str = "mean", **kwargs: Any
     ) -> None:
-        self_mode = check_choice(mode, "mode", functional.BAG_MODES)
+        self_mode = check_bag_mode(mode)
         super().__init__(embedding_dim, capacity, num_shards, **kwargs)
         self.mode = self_mode
 

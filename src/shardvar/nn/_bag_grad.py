@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .._validate import BAG_MODES
 from ..variables._autograd import reading
 from ..variables._distinct import segment_sum, segments, sparse_rows
 
@@ -47,8 +48,6 @@ class Part(NamedTuple):
     stop: int
     sink: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
-
-MODES = {"sum": 0, "mean": 1}  # the kernel's codes
 
 # The rows a sink takes at once: their summed gradient and the optimizer's copy of them stay small
 # (and in cache), whatever the batch; one call of a few kernels per 4096 rows of 64 floats.
@@ -145,7 +144,7 @@ class _SparseBags(torch.autograd.Function):
         # ``F.embedding_bag`` would take that path, the weight requiring grad. (Its ``.out`` form
         # computes into a fresh tensor and copies: no help.) Each part reads its table's rows.
         # (The op's Python binding: ``torch.ops.aten``'s call costs a few microseconds more per table.)
-        n, code, lookup = len(parts), MODES[mode], torch._embedding_bag_forward_only
+        n, code, lookup = len(parts), BAG_MODES.index(mode), torch._embedding_bag_forward_only
         rows, offsets, scale = tensors[:n], tensors[n : 2 * n], tensors[2 * n :]
         return tuple(
             lookup(weight[p.start : p.stop], rows[i], offsets[i], False, code, False, scale[i], False, -1)[0]

@@ -21,7 +21,7 @@ from torch import nn
 
 from .._errors import ShardvarTypeError, ShardvarValueError
 from .._pages import empty
-from .._validate import check_choice, check_float_dtype, check_int
+from .._validate import check_bag_mode, check_choice, check_float_dtype, check_int
 from ..layout import Layout
 from ..variables import ShardStore, to_layout
 from ._jagged import check_names
@@ -65,11 +65,10 @@ def check_tables(tables: Any, sparse: bool, pooled: bool) -> None:
             raise error(f"table names must be non-empty strings without '.' (module names); got {got}")
         if not isinstance(cfg, TableConfig):
             raise ShardvarTypeError(f"table {name!r} must be a TableConfig; got {type(cfg).__name__}")
-        check_choice(
-            cfg.mode,
-            "mode" if pooled else "mode (an EmbeddingCollection does not pool)",
-            ("sum", "mean", "max") if pooled else ("sum",),
-        )
+        if pooled:
+            check_bag_mode(cfg.mode)
+        else:
+            check_choice(cfg.mode, "mode (an EmbeddingCollection does not pool)", ("sum",))
         if cfg.mode == "max" and sparse:
             raise ShardvarValueError(
                 f"table {name!r}: mode 'max' has no sparse gradient (torch's rule); use sum or mean"

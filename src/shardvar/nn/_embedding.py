@@ -14,7 +14,14 @@ from torch import nn
 
 from .._errors import ShardvarValueError
 from .._pages import empty
-from .._validate import check_bool, check_choice, check_device, check_float_dtype, check_int, check_number
+from .._validate import (
+    check_bag_mode,
+    check_bool,
+    check_device,
+    check_float_dtype,
+    check_int,
+    check_number,
+)
 from ..layout import Layout
 from ..variables import ShardStore, functional, to_layout
 from ._sharded_weight import ShardedWeight
@@ -172,7 +179,7 @@ class ShardedEmbeddingBag(_ShardedTable, nn.EmbeddingBag):
         padding_idx: int | None = None,
         **kwargs: Any,
     ) -> None:
-        self_mode = check_choice(mode, "mode", functional.BAG_MODES)
+        self_mode = check_bag_mode(mode)
         super().__init__(
             num_embeddings,
             embedding_dim,

@@ -25,8 +25,6 @@ from ..variables._packed import RowFormat
 
 __all__ = ["bag", "rows"]
 
-_KERNEL_MODES = ("sum", "mean")
-
 
 def _distributed(store: ShardStore) -> bool:
     ex = store.exchange
@@ -111,7 +109,7 @@ def bag(
     )
     with _clear_errors(store, ids):
         packed, rows = _source(store, flat)
-        if fmt.bag is not None and mode in _KERNEL_MODES:
+        if fmt.bag is not None and mode != "max":  # the packed kernels pool no max
             # Sums only: torch 2.13's kernels return the sum for mode=1 (mean) too; the mean divides here.
             out = fmt.bag(packed, rows, offsets, False, 0, False, weights, None, include_last_offset)
             return out if mode == "sum" else out / _bag_sizes(offsets, flat.numel(), include_last_offset)[:, None]

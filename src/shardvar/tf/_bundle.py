@@ -5,7 +5,7 @@ holds a ``BundleHeaderProto`` (data file count, endianness, format version); eve
 tensor's name with a ``BundleEntryProto`` (dtype, shape, data file, offset, size, masked crc32c
 of its bytes). A variable saved as slices (a PartitionedVariable, a ShardedVariable) has an entry
 with no bytes that lists its slices, each stored under the key ``checkpoint::EncodeTensorNameSlice``
-makes (:func:`slice_key`).
+makes (``_slices.slice_key``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import torch
 
 from .._errors import CheckpointError, CheckpointIOError
 from ._proto import BundleEntryProto, BundleHeaderProto
+from ._slices import describe_key
 from ._table import TableError, read_table, unmask, varint
 
-__all__ = ["Bundle", "DTYPES", "STRING", "dtype_name", "slice_key"]
+__all__ = ["Bundle", "DTYPES", "STRING", "dtype_name"]
 
 STRING = 7
 # TensorFlow DataType -> torch dtype (tensorflow/core/framework/types.proto); bfloat16 and bool are
@@ -39,36 +40,6 @@ def dtype_name(code: int) -> str:
     if code in DTYPES:
         return str(DTYPES[code]).removeprefix("torch.")
     return _NAMES.get(code, f"DataType {code}")
-
-
-# kLengthToHeaderBits: the first two bytes' size bits, by encoded length
-_HEADER_BITS = [(0, 0)] + [((0xFF << (8 - n)) & 0xFF, 0) for n in range(1, 8)] + [(0xFF, 0), (0xFF, 0x80), (0xFF, 0xC0)]
-
-
-def _signed(value: int) -> bytes:
-    """``OrderedCode::WriteSignedNumIncreasing`` (tensorflow/core/lib/strings/ordered_code.cc)."""
-    x = ~value if value < 0 else value
-    if x < 64:
-        return bytes([(0x80 ^ value) & 0xFF])
-    length = x.bit_length() // 7 + 1
-    raw = bytearray((value & ((1 << 80) - 1)).to_bytes(10, "big")[10 - length :])
-    header = _HEADER_BITS[length]
-    raw[0] ^= header[0]
-    raw[1] ^= header[1]
-    return bytes(raw)
-
-
-def _unsigned(value: int) -> bytes:
-    """``OrderedCode::WriteNumIncreasing``: a length byte, then big-endian bytes without leading zeros."""
-    raw = value.to_bytes(8, "big").lstrip(b"\x00")
-    return bytes([len(raw)]) + raw
-
-
-def slice_key(name: str, extents: list[tuple[int, int]]) -> bytes:
-    """The table key of one slice of ``name``: ``checkpoint::EncodeTensorNameSlice`` (length -1: whole axis)."""
-    escaped = bytes(b for c in name.encode() for b in ({0: (0, 0xFF), 0xFF: (0xFF, 0)}.get(c, (c,))))
-    key = b"\x00" + escaped + b"\x00\x01" + _unsigned(len(extents))
-    return key + b"".join(_signed(start) + _signed(length) for start, length in extents)
 
 
 @dataclass
@@ -98,15 +69,18 @@ class Bundle:
             raise CheckpointError(f"{index} needs a reader of bundle version >= {header.version.min_consumer}")
         if not 1 <= header.num_shards <= 1 << 20:
             raise CheckpointError(f"{index}: the header's data file count {header.num_shards} is absurd")
-        entries = {k: _parse(BundleEntryProto, v, index, repr(k[:60])) for k, v in table.items()}
+        entries = {k: _parse(BundleEntryProto, v, index, describe_key(k)) for k, v in table.items()}
         return cls(prefix, header.num_shards, entries)
 
     def data_file(self, shard: int) -> Path:
         return Path(f"{self.prefix}.data-{shard:05d}-of-{self.num_shards:05d}")
 
-    def check_extent(self, key: str, entry: BundleEntryProto, nbytes: int) -> None:
-        """Refuse an entry whose bytes are not where it says, before anything is allocated for it."""
-        where = f"tensor {key!r} of {self.prefix}"
+    def check_extent(self, what: str, entry: BundleEntryProto, nbytes: int) -> None:
+        """Refuse an entry whose bytes are not where it says, before anything is allocated for it.
+
+        ``what`` names the entry in errors (``tensor 'emb'``, ``rows 0:5 of 'emb' (slice 0,5:0,4)``).
+        """
+        where = f"{what} of {self.prefix}"
         if entry.size != nbytes:
             raise CheckpointError(f"{where} holds {entry.size} bytes; its dtype and shape need {nbytes}")
         if not 0 <= entry.shard_id < self.num_shards or entry.offset < 0:
@@ -119,8 +93,8 @@ class Bundle:
         if entry.offset + entry.size > size:
             raise CheckpointError(f"{where} ends at byte {entry.offset + entry.size} of {path}, which has {size}")
 
-    def read_into(self, entry: BundleEntryProto, offset: int, out: memoryview) -> None:
-        """Bytes ``[offset, offset + len(out))`` of ``entry`` into ``out``."""
+    def read_into(self, what: str, entry: BundleEntryProto, offset: int, out: memoryview) -> None:
+        """Bytes ``[offset, offset + len(out))`` of ``entry`` (``what``, in errors) into ``out``."""
         path = self.data_file(entry.shard_id)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -129,7 +103,7 @@ class Bundle:
                 while done < len(out):
                     n = os.preadv(fd, [out[done:]], entry.offset + offset + done)
                     if n == 0:
-                        raise CheckpointError(f"{path} ended while reading a tensor: truncated")
+                        raise CheckpointError(f"{path} ended while reading {what}: truncated")
                     done += n
             finally:
                 os.close(fd)
@@ -138,10 +112,10 @@ class Bundle:
         except OSError as e:
             raise CheckpointIOError(f"reading {path} failed: {e}") from None
 
-    def verify(self, key: str, entry: BundleEntryProto, crc: int) -> None:
+    def verify(self, what: str, entry: BundleEntryProto, crc: int) -> None:
         if unmask(entry.crc32c) != crc:
             raise CheckpointError(
-                f"tensor {key!r} of {self.prefix} fails its crc32c check (in {self.data_file(entry.shard_id)}): "
+                f"{what} of {self.prefix} fails its crc32c check (in {self.data_file(entry.shard_id)}): "
                 "the data file is damaged"
             )
 
@@ -149,20 +123,21 @@ class Bundle:
         """A string tensor (``WriteStringTensor``): ``count`` varint64 lengths, the masked crc32c of the
         lengths (each as a little-endian uint32, or uint64 past 4 GiB), then the bytes; the entry's crc
         covers those lengths, that checksum and the bytes."""
-        self.check_extent(key, entry, entry.size)
+        what = f"string tensor {key!r}"
+        self.check_extent(what, entry, entry.size)
         raw = bytearray(entry.size)
-        self.read_into(entry, 0, memoryview(raw))
+        self.read_into(what, entry, 0, memoryview(raw))
         pos, lengths, crc = 0, [], 0
         for _ in range(count):
-            n, pos = varint(raw, pos, f"string tensor {key!r}")
+            n, pos = varint(raw, pos, what)
             lengths.append(n)
             crc = google_crc32c.extend(crc, n.to_bytes(4 if n < 1 << 32 else 8, "little"))
         stored = bytes(raw[pos : pos + 4])
         crc = google_crc32c.extend(crc, stored)
         pos += 4
         if pos + sum(lengths) != len(raw):
-            raise CheckpointError(f"string tensor {key!r} of {self.prefix}: its lengths do not add up to its bytes")
-        self.verify(key, entry, google_crc32c.extend(crc, bytes(raw[pos:])))
+            raise CheckpointError(f"{what} of {self.prefix}: its lengths do not add up to its bytes")
+        self.verify(what, entry, google_crc32c.extend(crc, bytes(raw[pos:])))
         out = []
         for n in lengths:
             out.append(bytes(raw[pos : pos + n]))

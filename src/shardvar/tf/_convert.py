@@ -20,6 +20,7 @@ import torch
 from .._errors import CheckpointError
 from .._validate import check_bool, check_int
 from ..checkpoint._manifest import MANIFEST
+from ..checkpoint._optim import OptimizerRecord, slot_name
 from ..checkpoint._write import Entry, Progress, check_dtypes, write
 from ..layout import Layout, get_strategy
 from ._bundle import DTYPES
@@ -122,7 +123,8 @@ def _step(reader: TFCheckpoint, optimizers: set[str], step: int | None) -> int:
 def _slot_entries(
     reader: TFCheckpoint, spec: TorchOptimizer, key: str, chosen: dict[str, str], layouts: dict, result: Conversion
 ) -> tuple[list[Entry], dict]:
-    entries, slots = [], {}
+    entries = []
+    record = OptimizerRecord(spec.class_name, [{"params": sorted(chosen.values())}])
     for slot in reader.slots():
         state = spec.states.get(slot.name)
         if slot.variable not in chosen:
@@ -131,29 +133,25 @@ def _slot_entries(
             result.skipped[slot.key] = f"slot {slot.name!r} has no {spec.cls.__name__} state of the same meaning"
         else:
             target = chosen[slot.variable]
-            name = f"{key}/{target}/{state}"
+            name = slot_name(key, target, state)
             if name in result.slots.values():
                 raise CheckpointError(
                     f"two optimizers' slots of {slot.variable!r} would both be {name!r} ({slot.key!r} and another); "
                     "map the variable into one optimizer at a time"
                 )
             entries.append(_entry(reader, reader.variables[slot.key], name, layouts[target]))
-            slots.setdefault(target, []).append(state)
+            record.add(target, state)
             result.slots[slot.key] = name
     optimizers = {s.optimizer for s in reader.slots() if s.key in result.slots}
-    if spec.counts_steps and slots:
+    if spec.counts_steps and record.slots:
         result.step = _step(reader, optimizers, result.step)
-        for target, names in slots.items():
-            tensor = torch.tensor(float(result.step))
-            entries.append(Entry(f"{key}/{target}/step", torch.float32, (), None, {0: ()}, lambda s, t=tensor: t, True))
-            names.append("step")
-    info = {
-        "class": spec.class_name,
-        "param_groups": [{"params": sorted(chosen.values())}],
-        "slots": {t: sorted(names) for t, names in slots.items()},
-        "scalars": {},
-    }
-    return entries, info
+        tensor = torch.tensor(float(result.step))
+        for target in list(record.slots):
+            entries.append(
+                Entry(slot_name(key, target, "step"), torch.float32, (), None, {0: ()}, lambda s: tensor, True)
+            )
+            record.add(target, "step")
+    return entries, record.to_json()
 
 
 def convert(

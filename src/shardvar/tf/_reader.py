@@ -20,9 +20,10 @@ import numpy as np
 import torch
 
 from .._errors import CheckpointError
-from ._bundle import DTYPES, STRING, Bundle, dtype_name, slice_key
+from ._bundle import DTYPES, STRING, Bundle, dtype_name
 from ._graph import GRAPH_KEY, VALUE_SUFFIX, ObjectGraph, Slot, saver_slots, short_name
 from ._proto import BundleEntryProto
+from ._slices import describe, slice_key
 
 __all__ = ["TFCheckpoint", "TFVariable", "Piece", "resolve_prefix"]
 
@@ -31,12 +32,13 @@ CHUNK_BYTES = 8 << 20  # the largest read buffer: what a strided or partial-widt
 
 @dataclass(frozen=True)
 class Piece:
-    """One stored slice: where it lies in the variable (per axis) and its table entry."""
+    """One stored slice: where it lies in the variable (per axis), its table entry, how errors name it."""
 
     key: bytes
     offsets: tuple[int, ...]
     lengths: tuple[int, ...]
     entry: BundleEntryProto
+    what: str  # ``tensor 'emb'``, or ``rows 7:10 of 'emb' (slice 7,3:0,4)``: never the encoded key
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,8 @@ class TFCheckpoint:
         if entry.shape.unknown_rank or any(d < 0 for d in shape):
             raise CheckpointError(f"tensor {name!r} of {self.prefix} has an absurd shape {list(shape)}")
         if not entry.slices:
-            return TFVariable(name, entry.dtype, shape, (Piece(key, (0,) * len(shape), shape, entry),), False)
+            whole = Piece(key, (0,) * len(shape), shape, entry, f"tensor {name!r}")
+            return TFVariable(name, entry.dtype, shape, (whole,), False)
         pieces = []
         for s in entry.slices:
             extents = [(e.start, e.length if e.HasField("length") else -1) for e in s.extent]
@@ -99,10 +102,10 @@ class TFCheckpoint:
                 raise CheckpointError(f"a slice of {name!r} in {self.prefix} has {len(extents)} axes; shape {shape}")
             offsets = tuple(start if length >= 0 else 0 for start, length in extents)
             lengths = tuple(length if length >= 0 else n for (_, length), n in zip(extents, shape, strict=True))
-            k = slice_key(name, extents)
+            k, what = slice_key(name, extents), describe(name, list(zip(offsets, lengths, strict=True)))
             if k not in self.bundle.entries:
-                raise CheckpointError(f"slice {_spec(offsets, lengths)} of {name!r} is missing from {self.prefix}")
-            pieces.append(Piece(k, offsets, lengths, self.bundle.entries[k]))
+                raise CheckpointError(f"{what} is missing from {self.prefix}")
+            pieces.append(Piece(k, offsets, lengths, self.bundle.entries[k], what))
         return TFVariable(name, entry.dtype, shape, tuple(pieces), True)
 
     # -- names ------------------------------------------------------------------------------------
@@ -145,10 +148,10 @@ class TFCheckpoint:
         itemsize = self.dtype(v).itemsize
         for p in v.pieces:
             if p.entry.dtype != v.dtype_code or tuple(d.size for d in p.entry.shape.dim) != p.lengths:
-                raise CheckpointError(f"slice {_spec(p.offsets, p.lengths)} of {v.name!r} has another dtype or shape")
+                raise CheckpointError(f"{p.what} has another dtype or shape than the variable")
             if any(o < 0 or o + n > d for o, n, d in zip(p.offsets, p.lengths, v.shape, strict=True)):
-                raise CheckpointError(f"slice {_spec(p.offsets, p.lengths)} of {v.name!r} lies outside {list(v.shape)}")
-            self.bundle.check_extent(v.name, p.entry, math.prod(p.lengths) * itemsize)
+                raise CheckpointError(f"{p.what} lies outside {list(v.shape)}")
+            self.bundle.check_extent(p.what, p.entry, math.prod(p.lengths) * itemsize)
         if sum(math.prod(p.lengths) for p in v.pieces) != math.prod(v.shape) or _overlap(v.pieces):
             raise CheckpointError(f"the slices of {v.name!r} in {self.prefix} do not cover {list(v.shape)} exactly")
         self._checked.add(v.name)
@@ -200,7 +203,7 @@ class TFCheckpoint:
                     scratch = torch.empty((min(per_chunk, b - begin), *p.lengths[1:]), dtype=out.dtype)
                 buffer = scratch[: end - r]
             raw = buffer.reshape(-1).view(torch.uint8).numpy()
-            self.bundle.read_into(p.entry, r * row_bytes, memoryview(raw))
+            self.bundle.read_into(p.what, p.entry, r * row_bytes, memoryview(raw))
             self._feed(p, r * row_bytes, raw)
             first = a + -(-max(r - a, 0) // step) * step  # the first wanted row at or after r
             if not direct and first < end:
@@ -216,7 +219,7 @@ class TFCheckpoint:
         crc = google_crc32c.extend(crc, raw)
         checked += len(raw)
         if checked == p.entry.size:
-            self.bundle.verify(p.key.decode(errors="replace"), p.entry, crc)
+            self.bundle.verify(p.what, p.entry, crc)
             self._verified.add(p.key)
         self._progress[p.key] = (checked, crc)
 
@@ -227,17 +230,12 @@ class TFCheckpoint:
             while p.key not in self._verified:
                 checked = self._progress.get(p.key, (0, 0))[0]
                 raw = torch.empty(min(CHUNK_BYTES, p.entry.size - checked), dtype=torch.uint8).numpy()
-                self.bundle.read_into(p.entry, checked, memoryview(raw))
+                self.bundle.read_into(p.what, p.entry, checked, memoryview(raw))
                 self._feed(p, checked, raw)
 
     def load(self, name: str) -> torch.Tensor:
         v = self.variable(name)
         return self.read_rows(v, 0, v.shape[0] if v.shape else 1)
-
-
-def _spec(offsets: tuple[int, ...], lengths: tuple[int, ...]) -> str:
-    """A slice in TensorFlow's ``start,length:...`` spelling."""
-    return ":".join(f"{o},{n}" for o, n in zip(offsets, lengths, strict=True)) or "(scalar)"
 
 
 def _overlap(pieces: tuple[Piece, ...]) -> bool:

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 import google_crc32c
 
 from .._errors import CheckpointError
+from ._slices import describe_key
 
 __all__ = ["TableError", "read_table", "unmask", "mask", "varint"]
 
@@ -127,7 +128,7 @@ def read_table(data: bytes, what: str) -> dict[bytes, bytes]:
             raise TableError(f"{what}: an index entry holds {len(value)} bytes, not one block handle")
         for key, entry in _entries(_block(data, handle, what), what):
             if previous is not None and key <= previous:
-                raise TableError(f"{what}: keys are out of order at {key[:40]!r}")
+                raise TableError(f"{what}: keys are out of order at {describe_key(key)}")
             table[key] = bytes(entry)
             previous = key
     return table

@@ -22,12 +22,13 @@ import torch
 import torch.nn.functional as F
 
 from .._errors import ShardvarDTypeError, ShardvarValueError
-from .._validate import check_bool, check_choice, check_int, check_number
+from .._validate import BAG_MODES, check_bag_mode, check_bool, check_int, check_number
 from ..layout import as_ids, check_ids
 from . import _gather
 from ._autograd import GatherRows, SlabView, gather_local, scatter_grads
 from ._distinct import Distinct, distinct, expand
 from ._jagged import bags, on_values
+from ._meta import check_readable
 from ._store import ShardStore
 
 __all__ = [
@@ -41,8 +42,6 @@ __all__ = [
     "scatter_grads",
     "slab_weight",
 ]
-
-BAG_MODES = ("sum", "mean", "max")
 
 
 class _Source(NamedTuple):
@@ -218,6 +217,7 @@ def _prepare(
     where it checks them (:func:`_op_checks_ids`); the last value says if they were.
     """
     store.refresh()
+    check_readable(store)
     max_norm, norm_type = _options(store, max_norm, norm_type)
     deferred = defer and _op_checks_ids(store, ids, max_norm)
     ids = _ids(store, ids, check=not deferred)
@@ -348,7 +348,7 @@ def embedding_bag(
 
     Jagged ``[B, j]`` input is B bags (its rows), as ``F.embedding_bag`` reads it.
     """
-    check_choice(mode, "mode", BAG_MODES)
+    check_bag_mode(mode)
     ids, offsets, per_sample_weights, include_last_offset = bags(ids, offsets, per_sample_weights, include_last_offset)
     # torch has no sparse gradient for max bags; fetched rows give each shard a sparse one anyway.
     by_rows = sparse and mode == "max"

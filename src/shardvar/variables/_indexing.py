@@ -16,6 +16,7 @@ from .._errors import ShardvarIndexError, ShardvarTypeError
 from .._validate import check_has_values
 from ..layout import Layout, last_occurrence
 from ._functional import gather
+from ._meta import check_readable
 from ._store import ShardStore
 from ._update import check_writable, scatter
 from ._values import check_local, coerce, device_of, materialise
@@ -147,6 +148,7 @@ def _at(axis: int, entry: Any) -> tuple:
 
 def getitem(store: ShardStore, key: Any) -> torch.Tensor:
     """``v[key]``: numpy semantics; reads only the shards that ``key`` touches."""
+    check_readable(store)
     layout, axis, size = store.layout, store.layout.axis, store.shape[store.layout.axis]
     entries, starts = expand_key(key, len(store.shape))
     i = _axis_entry(entries, starts, axis)

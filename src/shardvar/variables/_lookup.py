@@ -91,12 +91,20 @@ def embedding_lookup(
     return on_values(ids, lookup)  # jagged ids: jagged rows
 
 
+def _described(x: Any) -> str:
+    """What ``x`` is, in a few words: never its values (printing a large tensor costs its size)."""
+    if isinstance(x, torch.Tensor):
+        layout = str(x.layout).removeprefix("torch.").replace("strided", "dense")
+        return f"a {layout} tensor of rank {x.dim()}, shape {list(x.shape)}"
+    return f"a {type(x).__name__}"
+
+
 def _sparse_parts(sp: Any, what: str, flatten: bool = False) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
     """(bag of each entry, the entries, the batch shape) of a sparse ``[batch..., k]`` tensor."""
     is_coo = isinstance(sp, torch.Tensor) and sp.layout == torch.sparse_coo
     if not is_coo or not (sp.dim() >= 2 if flatten else sp.dim() == 2):
-        shape = "[batch..., k]" if flatten else "[batch, k]"
-        raise ShardvarTypeError(f"{what} must be a torch sparse COO tensor {shape}; got {sp!r:.100}")
+        shape = "[batch..., k] (rank 2 or more)" if flatten else "[batch, k] (rank 2)"
+        raise ShardvarTypeError(f"{what} must be a torch sparse COO tensor {shape}; got {_described(sp)}")
     check_has_values(sp, what)
     # Not coalesced on purpose: coalescing would add up repeated entries of a bag.
     indices = sp.indices() if sp.is_coalesced() else sp._indices()
@@ -108,7 +116,7 @@ def _sparse_parts(sp: Any, what: str, flatten: bool = False) -> tuple[torch.Tens
     return bag, values, batch
 
 
-def _same_indices(sp_ids: torch.Tensor, sp_weights: Any, dtype: torch.dtype) -> torch.Tensor | None:
+def _same_indices(sp_ids: torch.Tensor, sp_weights: Any) -> torch.Tensor | None:
     if sp_weights is None:
         return None
     _, weights, _ = _sparse_parts(sp_weights, "sp_weights", flatten=True)
@@ -117,11 +125,18 @@ def _same_indices(sp_ids: torch.Tensor, sp_weights: Any, dtype: torch.dtype) -> 
     if w_idx.shape != ids_idx.shape or not torch.equal(w_idx, ids_idx.to(w_idx.device)):
         raise ShardvarValueError(
             f"sp_weights must have the same indices as sp_ids; got {w_idx.shape[1]} entries at "
-            f"{w_idx.T.tolist()[:4]}... for {ids_idx.shape[1]} at {ids_idx.T.tolist()[:4]}..."
+            f"{w_idx.T[:4].tolist()}... for {ids_idx.shape[1]} at {ids_idx.T[:4].tolist()}..."
         )
-    if weights.dtype != dtype:
-        raise ShardvarDTypeError(f"sp_weights must have the params' dtype {dtype}; got {weights.dtype}")
+    if not weights.is_floating_point():
+        raise ShardvarDTypeError(f"sp_weights must hold floating-point weights; got dtype {weights.dtype}")
     return weights
+
+
+def _computed_in(params: torch.dtype, weights: torch.Tensor | None) -> torch.dtype:
+    """The dtype weighted bags are pooled in, as the reference: float16 and bfloat16 tables in float32
+    (cast back after), others in their own; the weights, of any float dtype, are cast to it."""
+    low = weights is not None and params in (torch.float16, torch.bfloat16)
+    return torch.float32 if low else params
 
 
 def _bag_weights(
@@ -157,17 +172,19 @@ def _combine(
         order = torch.argsort(bag, stable=True)  # F.embedding_bag wants each bag's entries together
         bag, ids = bag.index_select(0, order), ids.index_select(0, order.to(ids.device))
         weights = None if weights is None else weights.index_select(0, order.to(weights.device))
-    mode, per_sample = _bag_weights(bag, weights, batch, combiner, store.dtype)
+    dtype = _computed_in(store.dtype, weights)
+    mode, per_sample = _bag_weights(bag, weights, batch, combiner, dtype)
     offsets = torch.zeros(batch, dtype=torch.int64, device=bag.device)
     if batch > 1:
         offsets[1:] = torch.bincount(bag, minlength=batch)[:-1].cumsum(0)
-    if max_norm is None:
+    if max_norm is None and dtype == store.dtype:
         out = _functional.embedding_bag(store, ids, offsets.to(ids.device), mode=mode, per_sample_weights=per_sample)
-    else:
-        rows = _clip(_functional.gather(store, ids), 1, max_norm).reshape(ids.numel(), store.width)
+    else:  # clipped rows, or a low-precision table's rows in float32: pooled apart
+        rows = _clip(_functional.gather(store, ids), 1, max_norm).reshape(ids.numel(), store.width).to(dtype)
         positions = torch.arange(ids.numel(), device=rows.device)
         out = F.embedding_bag(positions, rows, offsets.to(rows.device), mode=mode, per_sample_weights=per_sample)
-    return out.reshape((batch, *store.row_shape))  # bags pool flat rows; params of rank > 2 keep their row shape
+    # bags pool flat rows; params of rank > 2 keep their row shape
+    return out.reshape((batch, *store.row_shape)).to(store.dtype)
 
 
 def _check_combiner(combiner: Any) -> str:
@@ -193,7 +210,7 @@ def embedding_lookup_sparse(
     variable = as_sharded(params, partition_strategy)
     max_norm = check_number(max_norm, "max_norm", positive=True, allow_none=True)
     bag, ids, batch = _sparse_parts(sp_ids, "sp_ids")
-    weights = _same_indices(sp_ids, sp_weights, variable.dtype)
+    weights = _same_indices(sp_ids, sp_weights)
     ids = as_ids(ids, device=ids_device(variable.store))
     return _combine(variable, ids, bag, weights, batch[0], combiner, max_norm)
 
@@ -217,7 +234,7 @@ def safe_embedding_lookup_sparse(
     variable = as_sharded(params, partition_strategy, default="div")
     max_norm = check_number(max_norm, "max_norm", positive=True, allow_none=True)
     bag, ids, batch_shape = _sparse_parts(sp_ids, "sp_ids", flatten=True)
-    weights = _same_indices(sp_ids, sp_weights, variable.dtype)
+    weights = _same_indices(sp_ids, sp_weights)
     ids = as_ids(ids, device=ids_device(variable.store))
     keep = ids >= 0
     if weights is not None:
@@ -227,7 +244,7 @@ def safe_embedding_lookup_sparse(
     bag = bag[keep.to(bag.device)]
     out = _combine(variable, ids[keep], bag, weights, batch, combiner, max_norm)
     if default_id is not None:
-        empty = torch.bincount(bag.to(out.device), minlength=batch) == 0
+        empty = (torch.bincount(bag, minlength=batch) == 0).to(out.device)  # counted where the ids are: not meta
         default_row = embedding_lookup(variable, torch.tensor([default_id], device=variable.device), max_norm=max_norm)
         out = torch.where(empty.reshape((-1, *[1] * (out.dim() - 1))), default_row.to(out.device), out)
     return out.reshape((*batch_shape, *out.shape[1:]))

@@ -9,6 +9,7 @@ import torch
 from .._errors import ShardvarTypeError, ShardvarValueError
 from .._validate import check_has_values
 from ._functional import gather, slab_weight
+from ._meta import check_readable
 from ._store import ShardStore
 
 __all__ = ["materialise", "as_value", "coerce", "check_local", "check_range", "device_of", "ids_device"]
@@ -41,6 +42,7 @@ def materialise(store: ShardStore, copy: bool = True) -> torch.Tensor:
     With ``copy=False`` it aliases the shards where the layout allows (one slab holding contiguous
     shards in order is already the table), else it is a new tensor.
     """
+    check_readable(store)
     if not store.is_complete:
         return gather(store, torch.arange(store.layout.num_rows, device=device_of(store)))
     if store.logical_slab:  # the slab is the table: a view of the shards, or one copy of it
