@@ -118,10 +118,12 @@ def quantize(source: Any, dtype: Any, *, dst: str | os.PathLike | None = None, t
     """``source`` with its tables' rows quantized to ``dtype`` (torch.quint8, torch.quint4x2, torch.float16).
 
     ``source`` is a ``ShardedEmbedding`` / ``ShardedEmbeddingBag`` (a distributed one too: each
-    rank packs its own shards), an ``EmbeddingBagCollection``, or a checkpoint path (then ``dst``
-    names the checkpoint written, ``tables`` the variables to pack; see
-    :func:`shardvar.checkpoint.quantize_checkpoint`). The result keeps every table's layout;
-    its modules are inference-only drop-ins for their float twins' ``forward``.
+    rank packs its own shards), an ``EmbeddingBagCollection`` / ``EmbeddingCollection`` or a
+    distributed one (each rank its shards; the same exchange), any type :func:`accepted` lists, or a
+    checkpoint path (then ``dst`` names the checkpoint written, ``tables`` the variables to pack
+    when the manifest does not say; see :func:`shardvar.checkpoint.quantize_checkpoint`). The
+    result keeps every table's layout; its modules are inference-only drop-ins for their float
+    twins' ``forward`` (a collection runs the float collection's own lookup code).
 
     >>> from shardvar import ShardedEmbeddingBag
     >>> bag = ShardedEmbeddingBag(100, 8, partitioner=4, partition_strategy="mod", mode="sum")
