@@ -258,19 +258,10 @@ LOCAL = {f.name: f for f in _local_families()}
 
 # (behaviour, family) -> why it fails today: each runs as a strict xfail. Delete a defect's line when
 # its fix merges (its cases then pass, and a strict xfail that passes is a failure).
-_DROPS_FEATURES = (
-    "defect (b): shardvar.quantize(EmbeddingBagCollection) drops feature_names, so the quantized collection "
-    "refuses feature 'friend' of table 'user' (ShardvarValueError: no feature named ['friend'])"
-)
-_DISTRIBUTED_REFUSED = (
-    "defect (b): shardvar.quantize(DistributedEmbeddingBagCollection) is refused (ShardvarTypeError: quantize takes "
-    "a ShardedEmbedding, ...; got DistributedEmbeddingBagCollection)"
-)
 _ONE_RANK_ONLY = (
     "issue 36.1: a distributed collection checks ids before its exchange on each rank alone: a bad id on rank 1 "
     "raises on rank 1 only; rank 0 waits in the exchange, pairs with rank 1's next call and times out"
 )
-_QUANTIZED_POOLED_SKIPS = {"padding", *LOCAL["quantized_pooled"].not_applicable}  # padding: TableConfig refuses it
 _ONE_RANK_INPUTS = (
     "found by this suite: a distributed module checks ids' dtype, offsets and per-sample weights on each rank "
     "alone, before its exchange: a bad one on rank 1 raises on rank 1 only; rank 0 waits in the exchange and times "
@@ -281,8 +272,6 @@ _EVERY_DISTRIBUTED_BUT_QUANTIZED_POOLED = (
     *("pooled_placed", "sequence_placed", "embedding_sparse", "bag_sparse", "pooled_sparse", "sequence_sparse"),
 )
 KNOWN_DEFECTS: dict[tuple[str, str], str] = {
-    **{(b, "quantized_pooled"): _DROPS_FEATURES for b in BEHAVIOURS if b not in _QUANTIZED_POOLED_SKIPS},
-    **{(b, "dist_quantized_pooled"): _DISTRIBUTED_REFUSED for b in BEHAVIOURS if b != "padding"},
     **{
         ("bad_ids_one_rank", f"dist_{k}{v}"): _ONE_RANK_ONLY
         for k in ("pooled", "sequence")

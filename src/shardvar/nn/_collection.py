@@ -199,8 +199,14 @@ def _reading_first(
     for f in inputs[0]:
         t = table_of[f]
         if any(t in groups[i][0] for i in writing):
-            feature_bags(f, inputs, tables[t].layout.num_rows, tables[t].store.dtype)
+            feature_bags(f, inputs, tables[t].layout.num_rows, row_dtype(tables[t]))
     return [g for i, g in enumerate(groups) if i not in writing] + [groups[i] for i in writing]
+
+
+def row_dtype(table: Any) -> torch.dtype:
+    """The dtype of the rows a table's lookup returns, which its per_sample_weights take (torch's rule): its
+    store's, or what a table of stored bytes (a packed one, ``lookup_dtype``) dequantizes them to."""
+    return getattr(table, "lookup_dtype", None) or table.store.dtype
 
 
 def pooling(table: Table) -> str | None:
@@ -320,7 +326,7 @@ def _lookup_table(
         except ShardvarError as e:  # checked by the table's forward before its lookup, by the same rules
             raise type(e)(f"feature {f!r}: {e}") from None
     logical = {name: _one_shard(table)}  # the table's own ids: its forward finds their shards
-    ids, offs, psw, counts = pack(mine, table_of, logical, {name: 0}, table.store.dtype, *inputs)
+    ids, offs, psw, counts = pack(mine, table_of, logical, {name: 0}, row_dtype(table), *inputs)
     if not pooled:
         return jagged_split(table(ids), offs, counts, mine)
     return dict(zip(mine, table(ids, offs, per_sample_weights=psw).split(counts), strict=True))
