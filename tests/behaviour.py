@@ -238,10 +238,9 @@ def _local_families() -> list[Family]:
     for kind, refuses in base.items():
         common = {"not_applicable": {"bad_ids_one_rank": ONE_RANK, "bad_inputs_one_rank": ONE_RANK, **na.get(kind, {})}}
         out.append(Family(kind, kind, _local(kind), refuses=refuses, **common))
-        if kind != "sequence":  # quantize refuses an EmbeddingCollection (its own test)
-            q = {**refuses, "train_step": INFERENCE_ONLY}
-            out.append(Family(f"quantized_{kind}", kind, _quantized(kind), quantized=True, trains=False, refuses=q,
-                              **common))  # fmt: skip
+        q = {**refuses, "train_step": INFERENCE_ONLY}
+        out.append(Family(f"quantized_{kind}", kind, _quantized(kind), quantized=True, trains=False, refuses=q,
+                          **common))  # fmt: skip
     for kind, refuses in base.items():  # sparse gradients: another backward, the same behaviour
         common = {"not_applicable": {"bad_ids_one_rank": ONE_RANK, "bad_inputs_one_rank": ONE_RANK, **na.get(kind, {})}}
         out.append(Family(f"{kind}_sparse", kind, _local(kind, sparse=True), refuses=refuses, **common))
