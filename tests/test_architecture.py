@@ -70,3 +70,24 @@ def test_no_import_cycles() -> None:
 def test_the_cycle_finder_finds_cycles() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+# Modules that may re-point a tensor at other memory (``Tensor.set_``): the memory module and the
+# in-place relayout (shards into slabs), and the recycler (its own buffers, never a shard).
+MEMORY_MODULES = {"variables/_memory.py", "variables/_relayout.py", "_recycle.py"}
+
+
+def _calls(attr: str) -> list[str]:
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == attr:
+                found.append(f"{path.relative_to(PACKAGE).as_posix()}:{node.lineno}")
+    return found
+
+
+def test_only_the_memory_modules_repoint_tensors() -> None:
+    """Slab memory has one owner: no other module moves a shard's memory with ``set_``."""
+    calls = _calls("set_")
+    assert calls  # the walk finds them
+    assert sorted(c for c in calls if c.rpartition(":")[0] not in MEMORY_MODULES) == []

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from .._errors import ShardvarValueError
+from ..variables._plan import storage_ids
 from ..variables._relayout import deinterleave, interleave
 from ._base import TableOptimizer
 from ._tables import Table
@@ -140,9 +141,7 @@ def _as_they_lie(store: Any, rows: torch.Tensor, logical: bool) -> torch.Tensor:
         return rows
     if logical:
         return store.slab_rows(rows)
-    layout = store.layout
-    q = layout.num_rows // layout.num_shards  # only equal mod shards move: row r is shard r // q's row r % q
-    return layout.strategy.global_ids(layout.sizes, rows.div(q, rounding_mode="floor"), rows.remainder(q))
+    return storage_ids(store.layout, rows)  # only equal mod shards move
 
 
 def _row_state(table: Table) -> list[torch.Tensor]:
