@@ -91,3 +91,31 @@ def test_only_the_memory_modules_repoint_tensors() -> None:
     calls = _calls("set_")
     assert calls  # the walk finds them
     assert sorted(c for c in calls if c.rpartition(":")[0] not in MEMORY_MODULES) == []
+
+
+def _store_assignments(source: str) -> list[int]:
+    """Lines that assign an attribute of a store (``x.store.a = ...``, ``store.a = ...``, ``x._store.a += ...``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign):
+            continue
+        for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+            owner = t.value if isinstance(t, ast.Attribute) else None
+            named = isinstance(owner, ast.Name) and owner.id in ("store", "_store")
+            if named or (isinstance(owner, ast.Attribute) and owner.attr in ("store", "_store")):
+                found.append(node.lineno)
+    return found
+
+
+def test_no_layer_assigns_attributes_onto_a_store() -> None:
+    """What the layers above add to a store is attached through ``ShardStore.attach`` (typed hooks declared
+    in the variables layer), never assigned onto it."""
+    outside = [p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).parts[0] != "variables"]
+    assert len(outside) > 30
+    found = [f"{p.relative_to(PACKAGE)}:{n}" for p in outside for n in _store_assignments(p.read_text())]
+    assert found == []
+
+
+def test_the_assignment_finder_finds_assignments() -> None:
+    source = "table.store.sink = f\nself._store.exchange = e\nstore.x += 1\nstore = s\nx.store = s\ny.a.b = 1\n"
+    assert _store_assignments(source) == [1, 2, 3]

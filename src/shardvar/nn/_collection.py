@@ -126,7 +126,7 @@ def batch_tables(bags: Mapping[str, Table]) -> list[tuple[list[str], ShardedVari
                 bags[n].store.refresh()
         variable = ShardedVariable(shards)
         for n in names:  # the stores over the group's memory: a fused optimizer moves rows only if none else is
-            bags[n].store.companions = (variable._store, *(bags[m].store for m in names if m != n))
+            bags[n].store.attach(companions=(variable._store, *(bags[m].store for m in names if m != n)))
         groups.append((names, variable))
     return groups
 

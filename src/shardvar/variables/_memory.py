@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -22,6 +22,7 @@ __all__ = [
     "Slab",
     "as_slab",
     "adopt",
+    "allocate_shards",
     "check_disjoint",
     "empty_shards",
     "lay_out",
@@ -186,6 +187,31 @@ def shards_over(slab: torch.Tensor, first: int, sizes: Sequence[int]) -> list[to
             out.append(p)
             first += size
     return out
+
+
+def allocate_shards(
+    layout: Layout,
+    shape: torch.Size,
+    dtype: torch.dtype,
+    devices: Sequence[torch.device] | None,
+    owned: list[int],
+    values: torch.Tensor | Callable[[int], torch.Tensor] | None,
+    requires_grad: bool,
+) -> dict[int, torch.Tensor]:
+    """New shards ``owned`` (on ``devices[s]``, default ``values``' device or the CPU), one slab per device
+    when split along axis 0, with ``values`` copied in (the logical tensor, or ``shard -> tensor``)."""
+    default = values.device if isinstance(values, torch.Tensor) else torch.device("cpu")
+    at = {s: devices[s] if devices else default for s in owned}
+    parts = layout.split(values) if isinstance(values, torch.Tensor) else None
+    shards: dict[int, torch.Tensor] = {}
+    for device in dict.fromkeys(at.values()):
+        members = [s for s in owned if at[s] == device]
+        for s, piece in zip(members, empty_shards(layout, shape, dtype, device, members), strict=True):
+            if parts is not None or callable(values):
+                with torch.no_grad():
+                    piece.copy_(parts[s] if parts is not None else values(s))
+            shards[s] = torch.nn.Parameter(piece, requires_grad=True) if requires_grad else piece
+    return shards
 
 
 def empty_shards(

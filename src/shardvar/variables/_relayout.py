@@ -10,7 +10,7 @@ lays it back when it lets go (see :mod:`shardvar.optim._fused`).
 The rows move in place with a small buffer (1/64 of the table or less): a table-sized copy would
 raise the peak memory of building and training by the table's size.
 
-Nothing moves while a backward that maps the rows as they lie is pending (``ShardStore.readers``:
+Nothing moves while a backward that maps the rows as they lie is pending (``ShardStore.reading``:
 tokens its Function holds until it runs). A table someone else's tensor views is not laid row by
 row, and is laid back into new memory, leaving that tensor the old.
 """
@@ -99,7 +99,7 @@ def _eligible(store: ShardStore, order: RowOrder) -> bool:
         and store.row_order is order
         and all(type(t) in _PLAIN for t in shards)
         and _blocks(n, layout.num_rows // n) is not None
-        and not any(s.readers for s in (store, *store.companions))  # a pending backward maps rows as they lie
+        and not any(s.rows_held for s in (store, *store.companions))  # a pending backward maps rows as they lie
     )
 
 
@@ -139,8 +139,7 @@ def _relay(store: ShardStore, extra: list[torch.Tensor], interleaved: bool, fres
         pieces = [whole[s::n] for s in range(n)] if interleaved else list(whole.split(rows // n))
         for s, t in store.local_shards().items():
             place(t, pieces[s])
-    store.interleaved = interleaved
-    store.refresh()
+    store.moved_rows(interleaved)
     return True
 
 

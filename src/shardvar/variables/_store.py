@@ -27,7 +27,8 @@ from .._recycle import Recycler
 from .._validate import check_devices
 from ..layout import Layout
 from ._distinct import coalesce, sparse_rows
-from ._memory import adopt, as_slab, check_disjoint, empty_shards, where
+from ._hooks import KEEP, Reading, RowSink, RowSource, check_attached, renamed
+from ._memory import adopt, allocate_shards, as_slab, check_disjoint, where
 from ._plan import GroupPlan, RowOrder, SlabPlan
 
 __all__ = ["Group", "ShardStore", "rows_2d"]
@@ -90,16 +91,16 @@ class ShardStore:
         self._plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in self._shards.values())
         self.dtype = _check_shards(self._shards, layout, self.shape) if self._shards else (dtype or torch.float32)
         self.adopt = adopt
-        self.exchange: Any = None  # set by the distributed layer: fetches rows owned elsewhere
-        # Set by a fused optimizer: ``sink(full slab rows, their summed gradient)`` updates those rows
-        # in backward; a collection's sparse backward hands a table's rows to it, not to .grad.
-        self.sink: Any = None
-        # Set while a fused optimizer keeps this mod table's shards row by row in logical order (its
-        # state in that order too): the shards are put so again wherever they are moved.
-        self.interleaved = False
-        self.companions: tuple[ShardStore, ...] = ()  # other stores over the same memory (a collection's)
+        # What the layers above attach (see attach and _hooks): rows owned elsewhere, a fused update, and
+        # the other stores over the same memory.
+        self._exchange: RowSource | None = None
+        self._sink: RowSink | None = None
+        self._companions: tuple[ShardStore, ...] = ()
+        # While a fused optimizer keeps this mod table's shards row by row in logical order (its state in
+        # that order too): the shards are put so again wherever they are moved. See moved_rows.
+        self._interleaved = False
         # Tokens of pending backwards that map gradient rows by the rows' current order: rows stay put meanwhile.
-        self.readers: weakref.WeakSet = weakref.WeakSet()
+        self._readers: weakref.WeakSet = weakref.WeakSet()
         self._build()
 
     # -- construction ---------------------------------------------------------------------------
@@ -123,18 +124,9 @@ class ShardStore:
         shape = torch.Size(layout.check_shape(shape))
         owned = list(range(layout.num_shards)) if owned is None else sorted(owned)
         devs = check_devices(devices, layout.num_shards) if devices is not None else None
-        default = values.device if isinstance(values, torch.Tensor) else torch.device("cpu")
-        where = {s: devs[s] if devs else default for s in owned}
-        parts = layout.split(values) if isinstance(values, torch.Tensor) else None
-        shards: dict[int, torch.Tensor] = {}
-        for device in dict.fromkeys(where.values()):
-            members = [s for s in owned if where[s] == device]
-            for s, piece in zip(members, empty_shards(layout, shape, dtype, device, members), strict=True):
-                if parts is not None or callable(values):
-                    with torch.no_grad():
-                        piece.copy_(parts[s] if parts is not None else values(s))
-                shards[s] = torch.nn.Parameter(piece, requires_grad=True) if requires_grad else piece
-        return cls(layout, shape, shards, dtype=dtype)
+        return cls(
+            layout, shape, allocate_shards(layout, shape, dtype, devs, owned, values, requires_grad), dtype=dtype
+        )
 
     def _build(self) -> None:
         """Group the local shards by device into slabs (adopting shards into one when safe), and plan their rows."""
@@ -172,13 +164,69 @@ class ShardStore:
     def __getstate__(self) -> dict[str, Any]:
         # A pending backward's tokens and a fused optimizer's sink belong to this process's objects: a
         # copy (pickled, or deep-copied with its module) has neither (the sink would update this table).
-        return {**self.__dict__, "readers": None, "sink": None}
+        return {**self.__dict__, "_readers": None, "_sink": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, readers=weakref.WeakSet())
+        self.__dict__.update(renamed(state), _readers=weakref.WeakSet())
 
     def _interleave(self, members: list[int]) -> bool:
-        return self.interleaved and len(members) == self.layout.num_shards
+        return self._interleaved and len(members) == self.layout.num_shards
+
+    # -- what the layers above attach, and the store's own state about its rows ------------------
+    def attach(self, *, exchange: Any = KEEP, sink: Any = KEEP, companions: Any = KEEP) -> ShardStore:
+        """Attach a :class:`RowSource` (``exchange``), a :class:`RowSink` (``sink``) or the other stores over
+        this one's memory (``companions``); None (or ``()``) detaches, an argument left out stays as it is.
+        All are checked before any is attached."""
+        found = check_attached(self, exchange, sink, companions)
+        for name, value in found.items():
+            setattr(self, "_" + name, value)
+        return self
+
+    @property
+    def exchange(self) -> RowSource | None:
+        """The attached RowSource: fetches the rows other processes hold (None: every row is here)."""
+        return self._exchange
+
+    @property
+    def sink(self) -> RowSink | None:
+        """The attached RowSink: a fused optimizer's update of the full slab's rows, in backward."""
+        return self._sink
+
+    @property
+    def companions(self) -> tuple[ShardStore, ...]:
+        """The other stores over this one's memory (a collection's group): rows move only if none reads."""
+        return self._companions
+
+    @property
+    def interleaved(self) -> bool:
+        """Whether a fused optimizer keeps this mod table's shards row by row in logical order."""
+        return self._interleaved
+
+    def with_shards(self, shards: Mapping[int, torch.Tensor], *, dtype: torch.dtype | None = None) -> ShardStore:
+        """A store of this layout and shape over other ``shards`` (a module's replaced ones), with this
+        one's exchange: the rows it does not hold are still found where they live."""
+        store = ShardStore(self.layout, self.shape, shards, dtype=dtype)
+        store._exchange = self._exchange  # checked when attached here
+        return store
+
+    def reading(self) -> object:
+        """A token that a pending backward holds: while it lives, the rows stay where they lie (as the
+        gradient rows it maps assume). A compiled graph gets one that holds nothing."""
+        token = Reading()
+        if not torch.compiler.is_compiling():
+            self._readers.add(token)
+        return token
+
+    @property
+    def rows_held(self) -> bool:
+        """Whether a pending backward (a live :meth:`reading` token) keeps the rows where they lie."""
+        return bool(self._readers)
+
+    def moved_rows(self, interleaved: bool) -> None:
+        """Note that the rows were moved in place to lie row by row in logical order (``interleaved``) or
+        back to back (``_relayout``), and rebuild the slabs over them."""
+        self._interleaved = interleaved
+        self.refresh()
 
     def _current_signature(self) -> list:
         # Where each shard's data lives: it moves with param.data = ..., module.to(...), set_(...).
