@@ -65,7 +65,7 @@ class _QuantizedTable(nn.Module):
         self.num_embeddings, self.embedding_dim, self.layout, self.format = num_embeddings, embedding_dim, layout, fmt
         self.padding_idx = padding_idx
         self._store = ShardStore(layout, (num_embeddings, fmt.width(embedding_dim)), shards, dtype=fmt.storage)
-        self._store.exchange = exchange
+        self._store.attach(exchange=exchange)
         for s, t in self._store.local_shards().items():
             self.register_buffer(f"shard_{s}", t)
         self.eval()  # serving is what it is for; train() makes a grad-enabled forward refuse
@@ -75,9 +75,7 @@ class _QuantizedTable(nn.Module):
         """The store over the ``shard_<i>`` buffers (rebuilt if ``.to(...)`` replaced them)."""
         current = {int(n[6:]): t for n, t in self._buffers.items() if n.startswith("shard_")}
         if any(current[s] is not t for s, t in self._store.local_shards().items()):
-            exchange = self._store.exchange
-            self._store = ShardStore(self.layout, self._store.shape, current, dtype=self.format.storage)
-            self._store.exchange = exchange
+            self._store = self._store.with_shards(current, dtype=self.format.storage)
         return self._store.refresh()
 
     @property
