@@ -120,18 +120,22 @@ def _store_over(slab: torch.Tensor, first: int, layout: Layout, shape: tuple[int
     return ShardStore(layout, shape, dict(enumerate(shards_over(slab, first, layout.sizes))))
 
 
+def pieces(rows: int, width: int, dtype: torch.dtype) -> list[tuple[int, int]]:
+    """Row ranges whose ``normal_`` draws, one after the other, equal one draw of the whole table."""
+    step = max(16, PIECE_BYTES // max(width * dtype.itemsize, 1) // 16 * 16)  # whole 16-value blocks
+    cuts = [*list(range(0, rows, step))[: max(rows // step, 1)], rows]  # the last piece takes the rest
+    return list(itertools.pairwise(cuts))
+
+
 @torch.no_grad()
 def _draw(store: ShardStore) -> None:
     """``nn.init.normal_`` of the logical table, written into the store's rows piece by piece."""
-    rows, width = store.shape[0], store.width
-    step = max(16, PIECE_BYTES // max(width * store.dtype.itemsize, 1) // 16 * 16)  # whole 16-value blocks
-    cuts = [*list(range(0, rows, step))[: max(rows // step, 1)], rows]  # the last piece takes the rest
     slab = store.full_slab
-    for a, b in itertools.pairwise(cuts):
+    for a, b in pieces(store.shape[0], store.width, store.dtype):
         if store.logical_slab:
             nn.init.normal_(slab[a:b])
             continue
-        piece = nn.init.normal_(torch.empty((b - a, width), dtype=store.dtype, device=slab.device))
+        piece = nn.init.normal_(torch.empty((b - a, store.width), dtype=store.dtype, device=slab.device))
         slab.index_copy_(0, store.slab_rows(torch.arange(a, b, device=slab.device)), piece)
 
 

@@ -1,0 +1,244 @@
+"""Tiered tables in the modules (``storage=shardvar.Tiered(...)``): the same values as in memory, bitwise.
+
+Each table is checked against the same module held in memory, built under the same seed and
+trained by the same fused optimizer: after every run every row and its optimizer state are equal,
+with caches of a few rows (eviction and write-back on every step), both policies, and read-ahead.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import shardvar
+from shardvar import ShardvarTypeError, ShardvarValueError, optim
+from shardvar.tiered import BackingFileError, Prefetcher
+
+ROWS, DIM = 60, 4
+OPTIMIZERS = {
+    "rowwise_adagrad": lambda m: optim.RowWiseAdagrad(m, lr=0.1),
+    "rowwise_adam": lambda m: optim.RowWiseAdam(m, lr=0.05),
+    "sgd_momentum": lambda m: optim.SGD(m, lr=0.1, momentum=0.9),
+    "adagrad": lambda m: optim.Adagrad(m, lr=0.1, initial_accumulator_value=0.1),
+}
+
+
+def _tiered(tmp_path, cache_rows: int, policy: str = "lru", name: str = "t.rows", state: int = 1):
+    row = DIM * 4 + 4 * state
+    return shardvar.Tiered(tmp_path / name, cache_bytes=cache_rows * row, policy=policy)
+
+
+def _pair(cls, tmp_path, cache_rows=12, policy="lru", seed=0, **kw):
+    torch.manual_seed(seed)
+    ref = cls(ROWS, DIM, sparse=True, **kw)
+    torch.manual_seed(seed)
+    tiered = cls(ROWS, DIM, sparse=True, storage=_tiered(tmp_path, cache_rows, policy), **kw)
+    return ref, tiered
+
+
+def _batches(n: int, bags: bool, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = (torch.rand(10, generator=g) ** 2 * ROWS).long()  # skewed: hits and misses both
+        out.append((ids, torch.tensor([0, 2, 2, 6])) if bags else (ids.view(2, 5), None))
+    return out
+
+
+def _run(module, batches, prefetch: bool):
+    def step(batch):
+        ids, offsets = batch
+        out = module(ids, offsets) if offsets is not None else module(ids)
+        (out * torch.linspace(-1, 1, out.shape[-1])).square().sum().backward()
+
+    if prefetch:
+        batches = Prefetcher(batches, lambda b: [(module.cache, b[0])])
+    for batch in batches:
+        step(batch)
+
+
+def _state_of(opt, slot):
+    return opt.tables[0].state[slot][0]
+
+
+@pytest.mark.parametrize("cls", [shardvar.ShardedEmbedding, shardvar.ShardedEmbeddingBag])
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_training_equals_the_table_in_memory_bitwise(tmp_path, cls, policy, prefetch, opt_name):
+    bags = cls is shardvar.ShardedEmbeddingBag
+    kw = {"mode": "sum"} if bags else {}
+    ref, tiered = _pair(cls, tmp_path, cache_rows=14 if opt_name == "rowwise_adagrad" else 24, policy=policy, **kw)
+    assert torch.equal(tiered.tier.peek(torch.arange(ROWS))[0], ref.weight.to_tensor())
+    opts = [OPTIMIZERS[opt_name](m) for m in (ref, tiered)]
+    for o in opts:
+        optim.fuse(o)
+    batches = _batches(25, bags)
+    _run(ref, batches, prefetch=False)
+    _run(tiered, batches, prefetch)
+    values, state = tiered.tier.peek(torch.arange(ROWS))
+    assert torch.equal(values, ref.weight.to_tensor())
+    for slot, (first, width) in tiered.tier.slot_columns().items():
+        expected = _state_of(opts[0], slot)
+        assert torch.equal(state[:, first : first + width].reshape(expected.shape), expected), slot
+    stats = tiered.cache_stats()
+    assert stats["evictions"] > 0 and stats["written_back"] > 0 and 0 < stats["hit_rate"] < 1
+    if prefetch:
+        assert stats["prefetched"] > 0
+
+
+@pytest.mark.parametrize("mode", ["mean", "sum"])
+def test_bags_with_weights_and_padding_equal_the_table_in_memory(tmp_path, mode):
+    ref, tiered = _pair(shardvar.ShardedEmbeddingBag, tmp_path, mode=mode, padding_idx=3)
+    opts = [optim.RowWiseAdagrad(m, lr=0.1) for m in (ref, tiered)]
+    for o in opts:
+        optim.fuse(o)
+    for ids, offsets in _batches(12, bags=True, seed=5):
+        ids = torch.where(ids % 4 == 0, 3, ids)
+        weights = torch.linspace(0.5, 1.5, ids.numel()) if mode == "sum" else None
+        for m in (ref, tiered):
+            m(ids, offsets, weights).square().sum().backward()
+    values, state = tiered.tier.peek(torch.arange(ROWS))
+    assert torch.equal(values, ref.weight.to_tensor()) and torch.equal(state[:, 0], _state_of(opts[0], "sum"))
+    assert torch.equal(values[3], torch.zeros(DIM))
+
+
+def test_lookups_without_grad_and_frozen_tables(tmp_path):
+    ref, tiered = _pair(shardvar.ShardedEmbedding, tmp_path)
+    ids = torch.tensor([[1, 5], [59, 1]])
+    with torch.no_grad():
+        assert torch.equal(tiered(ids), ref(ids))
+    frozen = shardvar.ShardedEmbedding.from_pretrained(ref.weight.to_tensor(), storage=_tiered(tmp_path, 8, name="f"))
+    assert not frozen(ids).requires_grad and torch.equal(frozen(ids), ref(ids).detach())
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        lambda m: torch.optim.SparseAdam(list(m.parameters()), lr=0.1),
+        lambda m: optim.RowWiseAdagrad(m, lr=0.1),  # not fused
+    ],
+    ids=["torch_sgd", "sparse_adam", "unfused"],
+)
+def test_training_without_a_fused_shardvar_optimizer_is_refused(tmp_path, make):
+    _, tiered = _pair(shardvar.ShardedEmbeddingBag, tmp_path, mode="sum")
+    make(tiered)
+    before = tiered.tier.peek(torch.arange(ROWS))
+    with pytest.raises(ShardvarTypeError, match=r"fused into backward.*RowWiseAdagrad.*fuse"):
+        tiered(torch.tensor([1, 2, 3]), torch.tensor([0])).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(tiered.tier.peek(torch.arange(ROWS)), before, strict=True))
+
+
+def test_table_sized_views_are_refused(tmp_path):
+    _, tiered = _pair(shardvar.ShardedEmbedding, tmp_path)
+    for what in (lambda: tiered.weight, lambda: tiered.state_dict(), lambda: shardvar.sharded_parameters(tiered)):
+        with pytest.raises(ShardvarTypeError, match="tiered table"):
+            what()
+
+
+def test_a_cache_smaller_than_a_batch_says_how_much_is_needed_and_changes_nothing(tmp_path):
+    _, tiered = _pair(shardvar.ShardedEmbedding, tmp_path, cache_rows=4)
+    optim.fuse(optim.RowWiseAdagrad(tiered, lr=0.1))
+    tiered(torch.tensor([1, 2])).sum().backward()
+    before, stats = tiered.tier.peek(torch.arange(ROWS)), tiered.cache_stats()
+    with pytest.raises(ShardvarValueError, match=r"needs 6 distinct rows.*at least 6 rows \(120 bytes"):
+        tiered(torch.tensor([0, 1, 2, 3, 4, 5]))
+    assert tiered.cache_stats() == stats
+    assert all(torch.equal(a, b) for a, b in zip(tiered.tier.peek(torch.arange(ROWS)), before, strict=True))
+
+
+def test_rows_of_a_pending_backward_stay_in_the_cache(tmp_path):
+    ref, tiered = _pair(shardvar.ShardedEmbedding, tmp_path, cache_rows=6)
+    for m in (ref, tiered):
+        optim.fuse(optim.RowWiseAdagrad(m, lr=0.1))
+    first = tiered(torch.tensor([1, 2, 3]))
+    with pytest.raises(ShardvarValueError, match="3 more are held for a batch in flight"):
+        tiered(torch.tensor([4, 5, 6, 7]))
+    second = tiered(torch.tensor([4, 5, 6]))
+    (first.sum() + second.sum()).backward()
+    (ref(torch.tensor([1, 2, 3])).sum() + ref(torch.tensor([4, 5, 6])).sum()).backward()
+    assert torch.equal(tiered.tier.peek(torch.arange(ROWS))[0], ref.weight.to_tensor())
+    del first, second
+    tiered(torch.tensor([7, 8, 9, 10, 11, 12]))  # nothing held any more
+
+
+@pytest.mark.parametrize(
+    "options, error, match",
+    [
+        ({"cache_bytes": 0}, ShardvarValueError, "cache_bytes"),
+        ({"cache_bytes": 100, "policy": "fifo"}, ShardvarValueError, "policy"),
+        ({"cache_bytes": 100, "path": 3}, ShardvarTypeError, "path"),
+        ({"cache_bytes": 100, "path": "/no/such/folder/t.rows"}, BackingFileError, "does not exist"),
+    ],
+)
+def test_bad_storage_options_are_refused(tmp_path, options, error, match):
+    with pytest.raises(error, match=match):
+        shardvar.Tiered(**{"path": tmp_path / "t.rows", **options})
+
+
+def test_a_cache_without_room_for_one_row_is_refused_and_leaves_no_file(tmp_path):
+    with pytest.raises(ShardvarValueError, match=r"holds no row: one row and its state take 16 bytes"):
+        shardvar.ShardedEmbedding(ROWS, DIM, storage=shardvar.Tiered(tmp_path / "t.rows", cache_bytes=15))
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_folder_not_writable_is_refused(tmp_path, monkeypatch):
+    if os.geteuid() == 0:  # root writes anywhere: the folder is made to read as not writable
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real(p, mode))
+    tmp_path.chmod(0o500)
+    try:
+        with pytest.raises(BackingFileError, match="not writable"):
+            shardvar.Tiered(tmp_path / "t.rows", cache_bytes=100)
+    finally:
+        tmp_path.chmod(0o700)
+
+
+def test_two_tables_on_one_file_are_refused(tmp_path):
+    storage = _tiered(tmp_path, 8)
+    first = shardvar.ShardedEmbedding(ROWS, DIM, storage=storage)
+    with pytest.raises(BackingFileError, match="open in another process"):
+        shardvar.ShardedEmbedding(ROWS, DIM, storage=storage)
+    first.close()
+    with pytest.raises(BackingFileError, match="already exists: a backing file is not a checkpoint"):
+        shardvar.ShardedEmbedding(ROWS, DIM, storage=storage)
+
+
+def test_the_file_of_a_killed_process_is_refused(tmp_path):
+    path = tmp_path / "t.rows"
+    code = f"""
+        import os, signal, shardvar
+        t = shardvar.ShardedEmbedding(100, 4, storage=shardvar.Tiered({str(path)!r}, cache_bytes=400))
+        os.kill(os.getpid(), signal.SIGKILL)
+    """
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=os.environ, timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    with pytest.raises(BackingFileError, match=r"not closed cleanly.*last checkpoint"):
+        shardvar.ShardedEmbedding(100, 4, storage=shardvar.Tiered(path, cache_bytes=400))
+
+
+def test_a_disk_too_small_fails_cleanly(tmp_path):
+    with pytest.raises(BackingFileError, match="cannot reserve"):
+        shardvar.ShardedEmbedding(1 << 44, 4, storage=shardvar.Tiered(tmp_path / "t.rows", cache_bytes=400))
+    assert not list(tmp_path.iterdir())
+
+
+def test_cache_stats_count_reads_and_writes(tmp_path):
+    _, tiered = _pair(shardvar.ShardedEmbedding, tmp_path, cache_rows=4)
+    optim.fuse(optim.RowWiseAdagrad(tiered, lr=0.1))
+    record, base = tiered.tier.layout.record_bytes, tiered.cache_stats()
+    tiered(torch.tensor([1, 2, 3, 4])).sum().backward()
+    tiered(torch.tensor([5, 1])).sum().backward()
+    stats = tiered.cache_stats()
+    assert (stats["hits"], stats["misses"], stats["evictions"], stats["written_back"]) == (1, 5, 1, 1)
+    assert stats["hit_rate"] == pytest.approx(1 / 6)
+    assert stats["capacity_rows"] == 4 and stats["cache_bytes"] == 4 * (DIM * 4 + 4)
+    assert stats["bytes_read"] - base["bytes_read"] == 5 * record
+    assert stats["bytes_written"] - base["bytes_written"] == record
