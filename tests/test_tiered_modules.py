@@ -242,3 +242,53 @@ def test_cache_stats_count_reads_and_writes(tmp_path):
     assert stats["capacity_rows"] == 4 and stats["cache_bytes"] == 4 * (DIM * 4 + 4)
     assert stats["bytes_read"] - base["bytes_read"] == 5 * record
     assert stats["bytes_written"] - base["bytes_written"] == record
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_collection_tables_equal_the_collection_in_memory(tmp_path, pooled, policy):
+    cls = shardvar.EmbeddingBagCollection if pooled else shardvar.EmbeddingCollection
+
+    def configs(tiered: bool) -> dict:
+        storage = _tiered(tmp_path, 14, policy, name="big.rows") if tiered else None
+        return {
+            "big": shardvar.TableConfig(ROWS, DIM, storage=storage),
+            "small": shardvar.TableConfig(20, DIM, 2, "mod"),
+        }
+
+    torch.manual_seed(0)
+    ref = cls(configs(False), sparse=True)
+    torch.manual_seed(0)
+    tiered = cls(configs(True), sparse=True)
+    tables = "embedding_bags" if pooled else "embeddings"
+    big = getattr(tiered, tables)["big"]
+    assert isinstance(big.tier, shardvar.tiered.TieredRows)
+    opts = [optim.RowWiseAdagrad(m, lr=0.1) for m in (ref, tiered)]
+    for o in opts:
+        optim.fuse(o)
+    for ids, offsets in _batches(15, bags=True, seed=3):
+        features = {"big": ids, "small": ids % 20}
+        lengths = {"big": offsets, "small": offsets}
+        for m in (ref, tiered):
+            out = m(features, lengths)
+            values = [v if pooled else v.values for v in out.values()]
+            sum(v.square().sum() for v in values).backward()
+    values, state = big.tier.peek(torch.arange(ROWS))
+    assert torch.equal(values, getattr(ref, tables)["big"].weight.to_tensor())
+    assert torch.equal(state[:, 0], next(t for t in opts[0].tables if "big" in t.name).state["sum"][0])
+    small = [getattr(m, tables)["small"].weight.to_tensor() for m in (ref, tiered)]
+    assert torch.equal(*small)
+
+
+def test_table_config_storage_must_be_a_storage():
+    with pytest.raises(ShardvarTypeError, match=r"storage must be shardvar.Tiered"):
+        shardvar.TableConfig(10, 4, storage="/tmp/x.rows")
+
+
+def test_modules_that_cannot_hold_a_tiered_table_refuse_it(tmp_path):
+    storage = _tiered(tmp_path, 8)
+    with pytest.raises(ShardvarValueError, match="storage= is not supported by DistributedEmbedding"):
+        shardvar.DistributedEmbedding(ROWS, DIM, storage=storage)
+    with pytest.raises(ShardvarValueError, match=r"\['t'\] have storage="):
+        shardvar.distributed.DistributedEmbeddingBagCollection({"t": shardvar.TableConfig(ROWS, DIM, storage=storage)})
+    assert not list(tmp_path.iterdir())

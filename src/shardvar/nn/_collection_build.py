@@ -25,6 +25,7 @@ from .._validate import check_bag_mode, check_choice, check_float_dtype, check_i
 from ..layout import Layout
 from ..variables import ShardStore, to_layout
 from ..variables._memory import shards_over
+from ..variables._tier import TableStorage
 from ._jagged import check_names
 
 __all__ = ["FeatureMap", "TableConfig", "build_tables", "check_tables", "feature_map"]
@@ -46,8 +47,11 @@ class TableConfig:
     partition_strategy: str = "div"
     mode: str = "sum"
     feature_names: tuple[str, ...] | None = None
+    storage: Any = None  # shardvar.Tiered(...): the table's rows in a file (a group of its own)
 
     def __post_init__(self) -> None:
+        if self.storage is not None and not isinstance(self.storage, TableStorage):
+            raise ShardvarTypeError(f"storage must be shardvar.Tiered(path, cache_bytes=...); got {self.storage!r:.80}")
         if self.feature_names is not None:
             names = check_names(self.feature_names, "feature_names")
             if not names:
@@ -144,8 +148,8 @@ def build_tables(
 ) -> dict[str, nn.Module]:
     """``make(config, store)`` for each TableConfig, the stores of one (width, mode) sharing one allocation.
 
-    A table whose layout is not split by rows gets ``store=None``: ``make`` builds (and checks) it
-    its own way.
+    A table whose layout is not split by rows, or whose rows are in a storage tier, gets ``store=None``:
+    ``make`` builds (and checks) it its own way.
     """
     dtype = check_float_dtype(dtype) or torch.get_default_dtype()
     layouts = {
@@ -154,7 +158,7 @@ def build_tables(
     }
     groups: dict[tuple[int, str], list[str]] = {}
     for name, c in tables.items():
-        if layouts[name].axis == 0:
+        if layouts[name].axis == 0 and c.storage is None:  # a tiered table is never in a group's allocation
             groups.setdefault((c.embedding_dim, c.mode), []).append(name)
     stores: dict[str, ShardStore] = {}
     for (dim, _), names in groups.items():

@@ -55,6 +55,11 @@ class _ShardedTable(ShardedWeight):
     def __new__(cls, *args: Any, storage: Any = None, **kwargs: Any) -> Any:
         # storage=shardvar.Tiered(...): the table's tiered twin (a subclass: isinstance still holds)
         if storage is not None and not issubclass(cls, TieredTable):
+            if cls not in _TIERED:
+                raise ShardvarValueError(
+                    f"storage= is not supported by {cls.__name__} (its rows are held in RAM): a tiered table is a "
+                    "ShardedEmbedding, a ShardedEmbeddingBag or a TableConfig of a local collection"
+                )
             cls = _TIERED[cls]
         return super().__new__(cls)
 
@@ -78,6 +83,7 @@ class _ShardedTable(ShardedWeight):
         devices: list[torch.device | str] | None = None,
         *,
         _store: ShardStore | None = None,
+        storage: Any = None,  # given (shardvar.Tiered): __new__ made this a TieredEmbedding(Bag)
     ) -> None:
         nn.Module.__init__(self)  # not nn.Embedding's: it would allocate the whole table
         dtype = check_float_dtype(dtype)

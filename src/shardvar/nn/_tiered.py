@@ -88,10 +88,9 @@ class TieredTable:
         if self.max_norm is not None:  # it would renormalise rows of the file in every lookup
             raise ShardvarValueError(f"max_norm is not supported by a tiered table; got max_norm={self.max_norm}")
         frozen = not next(iter(self._parameters.values())).requires_grad if self._parameters else False
-        dtype = self._store.dtype
+        dtype = self.lookup_dtype = self._store.dtype  # the meta store stays: it holds no memory
         for name in list(self._parameters):
             del self._parameters[name]
-        del self._store
         blocks = tiered_blocks(self.num_embeddings, self.embedding_dim, dtype, weight, self.padding_idx)
         self.tier = storage.open(self.num_embeddings, self.embedding_dim, dtype, blocks)
         # What autograd hangs the table's backward on (holds nothing): an optimizer over it is refused in
