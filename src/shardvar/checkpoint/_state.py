@@ -34,8 +34,8 @@ def as_partial(value: Any) -> Partial | None:
         return None
     if not all(hasattr(value, a) for a in ("layout", "shape", "dtype")):
         return None
-    packed = getattr(value, "packed", None)
-    return Partial(value.layout, tuple(value.shape), value.dtype, dict(value.local_shards()), packed)
+    packed, stream = getattr(value, "packed", None), getattr(value, "stream", None)
+    return Partial(value.layout, tuple(value.shape), value.dtype, dict(value.local_shards()), packed, stream)
 
 
 @dataclass

@@ -96,6 +96,8 @@ class TieredTable:
         # What autograd hangs the table's backward on (holds nothing): an optimizer over it is refused in
         # backward unless it is shardvar's, fused.
         self.tiered_rows = nn.Parameter(torch.empty(0), requires_grad=not frozen)
+        self._state_dict_hooks.clear()  # the in-memory table's logical form reads .weight: not here
+        self._load_state_dict_pre_hooks.clear()
 
     @property
     def store(self) -> Any:
@@ -109,7 +111,24 @@ class TieredTable:
         )
 
     def sharded_variables(self) -> dict[str, Any]:
-        raise ShardvarTypeError("checkpointing a tiered table is not supported yet (its rows live in its backing file)")
+        """The table as a sharded object over its backing file (a checkpoint streams it, or loads into it)."""
+        return {"weight": self.tier.sharded(self.layout)}
+
+    def checkpoint_hook(self, event: str) -> None:
+        if event == "after_load":  # the file was written under the cache: its rows are stale
+            self.tier.reload()
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        # ``weight``: the table over its file, as a checkpoint takes it (never materialised here); the
+        # anchor holds nothing and is left out, so the keys are an in-memory table's
+        destination[prefix + "weight"] = self.sharded_variables()["weight"]
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        if any(k.startswith(prefix) for k in state_dict):
+            raise ShardvarTypeError(
+                "a tiered table does not load a state dict (it would hold the whole table in memory): restore it "
+                "from a checkpoint with shardvar.load, which streams the rows into its backing file"
+            )
 
     def reset_parameters(self) -> None:
         raise ShardvarTypeError("a tiered table is initialised once, when its backing file is created")

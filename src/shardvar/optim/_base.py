@@ -175,7 +175,8 @@ class TableOptimizer(torch.optim.Optimizer):
         for t in self.tables:
             for slot in self.slots:
                 out[f"{t.name}/{slot}"] = t.checkpointed(slot)
-            if t.store.local_shards():  # a table held elsewhere only: a rank that steps it saves its step count
+            # a table held elsewhere only: a rank that steps it saves its step count (a tiered one: held here)
+            if t.store is None or t.store.local_shards():
                 out[f"{t.name}/step"] = t.step
         return out
 

@@ -92,6 +92,7 @@ class TierTable(Table):
         super().__init__(name, None)  # type: ignore[arg-type]  # no store: the tier holds the rows
         self.tier: RowTier = module.tier
         self.anchor: torch.Tensor = module.tiered_rows
+        self.layout = module.layout
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -109,9 +110,8 @@ class TierTable(Table):
         return self.tier.values, {s: views[s] for s in self.state}
 
     def checkpointed(self, slot: str) -> ShardsView | torch.Tensor:
-        raise ShardvarTypeError(
-            f"table {self.name!r} is tiered: checkpointing its optimizer state is not supported yet"
-        )
+        """The slot's column(s) of the backing file, in the table's layout, streamed by a checkpoint."""
+        return self.tier.sharded(self.layout, slot, self.row_wise[slot])
 
 
 def _plain(name: str, p: torch.Tensor) -> Table:

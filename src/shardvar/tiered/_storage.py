@@ -26,6 +26,7 @@ from .._validate import check_choice, check_int, check_number
 from ..variables._tier import TierSink
 from ._cache import POLICIES, RowCache
 from ._file import BackingFileError, RecordLayout, RowFile
+from ._views import mapped, sharded_view
 
 __all__ = ["Tiered", "TieredRows"]
 
@@ -112,6 +113,7 @@ class TieredRows:
         self.sink: TierSink | None = None
         self._columns: dict[str, tuple[int, int]] = {}
         self._in_flight: dict[int, int] = {}  # step -> forwards of that step whose backward has not run
+        self._map: tuple | None = None  # (file, memmap, values, state) once a checkpoint asked for views
         self._lock = threading.RLock()  # a pending backward's token may be collected while it is held
         self._closer = weakref.finalize(self, _close, cache, file)
 
@@ -182,6 +184,30 @@ class TieredRows:
         self.cache.stats = stats
         self._closer = weakref.finalize(self, _close, self.cache, new)
         self._columns[name] = (old.state_width, width)
+
+    def sharded(self, layout: Any, slot: str | None = None, row_wise: bool = False) -> Any:
+        """The rows (``slot`` None) or the state slot ``slot`` as a ShardsView in ``layout`` over the file
+        (every changed row written back first)."""
+        self.cache.flush()
+        if self._map is None or self._map[0] is not self.file:
+            self._map = (self.file, *mapped(self.file))
+        _, _, values, state = self._map
+        rows = self.file.layout.rows
+        if slot is None:
+            return sharded_view(layout, (rows, values.shape[1]), values)
+        first, width = self._columns[slot]
+        column = state[:, first] if row_wise else state[:, first : first + width]
+        return sharded_view(layout, tuple(column.shape), column)
+
+    def reload(self) -> None:
+        """Forget every cached row without writing it back: the file was just written (a checkpoint loaded)."""
+        if self._in_flight:
+            raise ShardvarValueError("cannot load a tiered table while a backward of its lookups is pending")
+        stats = self.cache.stats
+        self.cache = RowCache(self.file, self.cache.capacity, self.spec.policy)
+        self.cache.stats = stats
+        self._closer.detach()
+        self._closer = weakref.finalize(self, _close, self.cache, self.file)
 
     def cache_stats(self) -> dict[str, float]:
         """Hit rate, hits, misses, evictions, rows written back, bytes read and written, capacity."""

@@ -49,6 +49,15 @@ class RowTier(Protocol):
 
     def cache_stats(self) -> dict[str, float]: ...
 
+    def sharded(self, layout: Any, slot: str | None = None, row_wise: bool = False) -> Any:
+        """The rows (``slot`` None) or a state slot, as a sharded object (a ShardsView) in ``layout`` over
+        the backing file, streamed in bounded pieces by a checkpoint and filled in place by a load."""
+        ...
+
+    def reload(self) -> None:
+        """Forget the cached rows (the file was written under the cache: a checkpoint was loaded)."""
+        ...
+
 
 @runtime_checkable
 class TableStorage(Protocol):
