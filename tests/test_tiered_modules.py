@@ -171,6 +171,19 @@ def test_rows_of_a_pending_backward_stay_in_the_cache(tmp_path):
     tiered(torch.tensor([7, 8, 9, 10, 11, 12]))  # nothing held any more
 
 
+def test_a_dropped_graph_releases_its_rows_and_a_removed_fuse_refuses_again(tmp_path):
+    _, tiered = _pair(shardvar.ShardedEmbedding, tmp_path, cache_rows=6)
+    handle = optim.fuse(optim.RowWiseAdagrad(tiered, lr=0.1))
+    out = tiered(torch.tensor([1, 2, 3]))
+    with pytest.raises(ShardvarValueError, match="held for a batch in flight"):
+        tiered(torch.tensor([4, 5, 6, 7]))
+    del out  # no backward will come: its rows are free again
+    tiered(torch.tensor([4, 5, 6, 7, 8, 9])).sum().backward()
+    handle.remove()
+    with pytest.raises(ShardvarTypeError, match="no fused optimizer holds this table"):
+        tiered(torch.tensor([1])).sum().backward()
+
+
 @pytest.mark.parametrize(
     "options, error, match",
     [
@@ -294,3 +307,23 @@ def test_modules_that_cannot_hold_a_tiered_table_refuse_it(tmp_path):
     with pytest.raises(ShardvarValueError, match=r"\['t'\] have storage="):
         shardvar.distributed.DistributedEmbeddingBagCollection({"t": shardvar.TableConfig(ROWS, DIM, storage=storage)})
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "cls, options",
+    [(shardvar.ShardedEmbeddingBag, {"mode": "max"}), (shardvar.ShardedEmbedding, {"scale_grad_by_freq": True})],
+    ids=["max_bags", "scale_grad_by_freq"],
+)
+def test_other_lookup_options_equal_the_table_in_memory(tmp_path, cls, options):
+    torch.manual_seed(0)
+    ref = cls(ROWS, DIM, sparse=False, **options)  # torch has no sparse gradient for these
+    torch.manual_seed(0)
+    tiered = cls(ROWS, DIM, storage=_tiered(tmp_path, 14), **options)
+    opts = [optim.RowWiseAdagrad(m, lr=0.1) for m in (ref, tiered)]
+    for o in opts:
+        optim.fuse(o)
+    bags = cls is shardvar.ShardedEmbeddingBag
+    _run(ref, _batches(10, bags, seed=7), prefetch=False)
+    _run(tiered, _batches(10, bags, seed=7), prefetch=False)
+    values, state = tiered.tier.peek(torch.arange(ROWS))
+    assert torch.equal(values, ref.weight.to_tensor()) and torch.equal(state[:, 0], _state_of(opts[0], "sum"))

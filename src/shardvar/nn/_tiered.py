@@ -63,7 +63,6 @@ class _TierRows(torch.autograd.Function):
         if tier.sink is None:
             raise ShardvarTypeError(TRAINS + "; no fused optimizer holds this table")
         if grad.is_sparse:  # one row per looked-up id: the sink sums them per row, as an in-memory table's update
-            grad = grad.coalesce() if grad._indices().dim() != 2 else grad
             tier.sink(slots[grad._indices()[0]], grad._values())
         else:
             tier.sink(slots, grad)
@@ -175,7 +174,10 @@ def _checked_ids(input: Any, rows: int) -> torch.Tensor:
 
 def forward_embedding(module: Any, input: torch.Tensor) -> torch.Tensor:
     rows, positions, pad = module._rows(input)
-    return F.embedding(positions, rows, pad, None, 2.0, module.scale_grad_by_freq, sparse=True)
+    # sparse: one gradient row per id, summed per row by the update as in memory (torch has no sparse
+    # gradient with scale_grad_by_freq, nor for max bags: then the op's dense one over the batch's rows)
+    scale = module.scale_grad_by_freq
+    return F.embedding(positions, rows, pad, None, 2.0, scale, sparse=not scale)
 
 
 def forward_bag(module: Any, input: torch.Tensor, offsets: Any, per_sample_weights: Any) -> torch.Tensor:
@@ -188,7 +190,7 @@ def forward_bag(module: Any, input: torch.Tensor, offsets: Any, per_sample_weigh
         2.0,
         module.scale_grad_by_freq,
         module.mode,
-        module.mode != "max",
+        module.mode != "max" and not module.scale_grad_by_freq,
         per_sample_weights,
         module.include_last_offset,
         pad,
