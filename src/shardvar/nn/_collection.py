@@ -116,7 +116,7 @@ def batch_tables(bags: Mapping[str, Table]) -> list[tuple[list[str], ShardedVari
             name
         )
     for (dim, _, dtype, _), names in by_kind.items():
-        shards = [p for n in names for p in bags[n].shards]
+        shards = [p for n in names for p in bags[n].weight.variables]
         device = shards[0].device
         if any(p.device != device for p in shards):
             groups += [([n], None) for n in names]  # tables on several devices: one by one
@@ -145,7 +145,8 @@ def _move_into_one(tables: list[Table], dim: int, dtype: torch.dtype, device: to
     start = 0
     with torch.no_grad():
         for table in tables:
-            shards, n = table.shards, len(table.shards)
+            shards = table.weight.variables
+            n = len(shards)
             region = slab[start : start + table.num_embeddings]
             split = (
                 [region[s::n] for s in range(n)]
