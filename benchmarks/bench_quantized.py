@@ -1,6 +1,7 @@
 """Quantized serving tables: bytes, bag forward time against fp32 nn.EmbeddingBag, and correctness.
 
     python benchmarks/bench_quantized.py [--rows 1000000] [--dim 64] [--batch 4096] [--bag 20] [--repeats 15]
+        [--distinct]
 
 Goals (issue 24): bytes int8 <= 0.30x of fp32 at dim 64, int4 <= 0.16x (scale and bias counted);
 bag forward (sum, ``[batch, bag]`` ids, uniform and Zipf) int8 >= 1.2x faster than fp32 ``nn.EmbeddingBag`` in
@@ -8,6 +9,11 @@ the same run, with 1 and 8 shards; int4 reported. Each repetition times every ca
 (interleaved, ``torch.utils.benchmark``); the table gives medians and the min-max spread over the
 repetitions. Correctness: every quantized forward equals ``F.embedding_bag`` over the dequantized
 table to fp32 rounding, and every element is within half a quantization step of the float table.
+
+``--distinct`` adds the other way to look up an int8 table (issue 36): dequantize only the batch's
+distinct rows (one ``torch.unique`` of the ids), then an fp32 bag over them with the remapped ids.
+With Zipf ids the distinct rows are few, but finding them (a sort of every id) costs more than
+the whole fp32 bag over cached hot rows, so it is a row to compare, not the module's path.
 """
 
 from __future__ import annotations
@@ -32,7 +38,24 @@ DTYPES = {"int8": torch.quint8, "int4": torch.quint4x2}
 BASELINE = "fp32 nn.EmbeddingBag"
 
 
-def _candidates(table: torch.Tensor, shard_counts: list[int]) -> dict[str, torch.nn.Module]:
+class _DistinctRows(torch.nn.Module):
+    """An int8 table looked up by dequantizing the batch's distinct rows, then an fp32 bag over them."""
+
+    def __init__(self, q: torch.nn.Module) -> None:
+        super().__init__()
+        self.q, self.format, self.store = q, q.format, q.store  # 1 shard: the slab is in logical row order
+        self.nbytes = q.nbytes
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        rows = self.format.unpack(self.store.full_slab.index_select(0, unique))
+        return F.embedding_bag(inverse, rows, mode="sum")
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.dequantize()
+
+
+def _candidates(table: torch.Tensor, shard_counts: list[int], distinct: bool) -> dict[str, torch.nn.Module]:
     """The fp32 baseline, then each quantized table for each shard count (mod shards: ids are mapped)."""
     out: dict[str, torch.nn.Module] = {BASELINE: torch.nn.EmbeddingBag.from_pretrained(table, mode="sum")}
     for shards in shard_counts:
@@ -40,6 +63,8 @@ def _candidates(table: torch.Tensor, shard_counts: list[int]) -> dict[str, torch
         for name, dtype in DTYPES.items():
             out[f"{name}, {shards} shard{'s' * (shards > 1)}"] = shardvar.quantize(bag, dtype)
         del bag
+    if distinct:
+        out["int8 distinct rows, 1 shard"] = _DistinctRows(out["int8, 1 shard"])
     return out
 
 
@@ -79,6 +104,7 @@ def main() -> None:
     parser.add_argument("--bag", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--quick", action="store_true", help="a small table, few repetitions (a smoke test)")
+    parser.add_argument("--distinct", action="store_true", help="also time int8 by distinct rows (unique + fp32 bag)")
     args = parser.parse_args()
     if args.quick:
         args.rows, args.batch, args.repeats = 20_000, 512, 1
@@ -95,7 +121,7 @@ def main() -> None:
             for (n, d), g in zip(DTYPES.items(), ["<= 0.30x", "<= 0.16x"], strict=True)
         ],
     )
-    candidates = _candidates(table, [1, 8])
+    candidates = _candidates(table, [1, 8], args.distinct)
     for label, ids in _id_sets(args).items():
         errors = {name: _check(table, q, ids) for name, q in candidates.items() if name != BASELINE}
         times = _time(candidates, ids, args.repeats, 0.01 if args.quick else 0.2)

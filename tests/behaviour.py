@@ -238,10 +238,9 @@ def _local_families() -> list[Family]:
     for kind, refuses in base.items():
         common = {"not_applicable": {"bad_ids_one_rank": ONE_RANK, "bad_inputs_one_rank": ONE_RANK, **na.get(kind, {})}}
         out.append(Family(kind, kind, _local(kind), refuses=refuses, **common))
-        if kind != "sequence":  # quantize refuses an EmbeddingCollection (its own test)
-            q = {**refuses, "train_step": INFERENCE_ONLY}
-            out.append(Family(f"quantized_{kind}", kind, _quantized(kind), quantized=True, trains=False, refuses=q,
-                              **common))  # fmt: skip
+        q = {**refuses, "train_step": INFERENCE_ONLY}
+        out.append(Family(f"quantized_{kind}", kind, _quantized(kind), quantized=True, trains=False, refuses=q,
+                          **common))  # fmt: skip
     for kind, refuses in base.items():  # sparse gradients: another backward, the same behaviour
         common = {"not_applicable": {"bad_ids_one_rank": ONE_RANK, "bad_inputs_one_rank": ONE_RANK, **na.get(kind, {})}}
         out.append(Family(f"{kind}_sparse", kind, _local(kind, sparse=True), refuses=refuses, **common))
@@ -258,19 +257,10 @@ LOCAL = {f.name: f for f in _local_families()}
 
 # (behaviour, family) -> why it fails today: each runs as a strict xfail. Delete a defect's line when
 # its fix merges (its cases then pass, and a strict xfail that passes is a failure).
-_DROPS_FEATURES = (
-    "defect (b): shardvar.quantize(EmbeddingBagCollection) drops feature_names, so the quantized collection "
-    "refuses feature 'friend' of table 'user' (ShardvarValueError: no feature named ['friend'])"
-)
-_DISTRIBUTED_REFUSED = (
-    "defect (b): shardvar.quantize(DistributedEmbeddingBagCollection) is refused (ShardvarTypeError: quantize takes "
-    "a ShardedEmbedding, ...; got DistributedEmbeddingBagCollection)"
-)
 _ONE_RANK_ONLY = (
     "issue 36.1: a distributed collection checks ids before its exchange on each rank alone: a bad id on rank 1 "
     "raises on rank 1 only; rank 0 waits in the exchange, pairs with rank 1's next call and times out"
 )
-_QUANTIZED_POOLED_SKIPS = {"padding", *LOCAL["quantized_pooled"].not_applicable}  # padding: TableConfig refuses it
 _ONE_RANK_INPUTS = (
     "found by this suite: a distributed module checks ids' dtype, offsets and per-sample weights on each rank "
     "alone, before its exchange: a bad one on rank 1 raises on rank 1 only; rank 0 waits in the exchange and times "
@@ -281,8 +271,6 @@ _EVERY_DISTRIBUTED_BUT_QUANTIZED_POOLED = (
     *("pooled_placed", "sequence_placed", "embedding_sparse", "bag_sparse", "pooled_sparse", "sequence_sparse"),
 )
 KNOWN_DEFECTS: dict[tuple[str, str], str] = {
-    **{(b, "quantized_pooled"): _DROPS_FEATURES for b in BEHAVIOURS if b not in _QUANTIZED_POOLED_SKIPS},
-    **{(b, "dist_quantized_pooled"): _DISTRIBUTED_REFUSED for b in BEHAVIOURS if b != "padding"},
     **{
         ("bad_ids_one_rank", f"dist_{k}{v}"): _ONE_RANK_ONLY
         for k in ("pooled", "sequence")

@@ -110,10 +110,11 @@ def _families() -> list[Family]:
         out.append(
             Family(f"dist_{kind}", kind, _float(kind), refuses=refused, not_applicable=na.get(kind, {}), **common)
         )
-        if kind != "sequence":
-            q = {**refused, "train_step": INFERENCE_ONLY}
-            out.append(Family(f"dist_quantized_{kind}", kind, _quantized(kind), quantized=True, trains=False, refuses=q,
-                              not_applicable=na.get(kind, {}), **common))  # fmt: skip
+        q = {**refused, "train_step": INFERENCE_ONLY}
+        if kind in ("pooled", "sequence"):  # a quantized distributed collection is served, not checkpointed
+            q["save_load"] = (shardvar.ShardvarTypeError, "is not checkpointed: save the float collection")
+        out.append(Family(f"dist_quantized_{kind}", kind, _quantized(kind), quantized=True, trains=False, refuses=q,
+                          not_applicable=na.get(kind, {}), **common))  # fmt: skip
     for kind in ("pooled", "sequence"):  # "user" whole on one rank, "item" on every rank: the other twins' rules
         out.append(Family(f"dist_{kind}_placed", kind, _float(kind, PLACED), refuses=refuses[kind], **common))
     for kind, refused in refuses.items():  # sparse gradients (the replicas' too): another backward, the same behaviour

@@ -80,3 +80,52 @@ def test_workloads_import_without_the_command_line() -> None:
     code = "import sys, shardvar.workloads; print(sorted(m for m in sys.modules if m.startswith('shardvar.cli')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# Modules that may re-point a tensor at other memory (``Tensor.set_``): the memory module and the
+# in-place relayout (shards into slabs), and the recycler (its own buffers, never a shard).
+MEMORY_MODULES = {"variables/_memory.py", "variables/_relayout.py", "_recycle.py"}
+
+
+def _calls(attr: str) -> list[str]:
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == attr:
+                found.append(f"{path.relative_to(PACKAGE).as_posix()}:{node.lineno}")
+    return found
+
+
+def test_only_the_memory_modules_repoint_tensors() -> None:
+    """Slab memory has one owner: no other module moves a shard's memory with ``set_``."""
+    calls = _calls("set_")
+    assert calls  # the walk finds them
+    assert sorted(c for c in calls if c.rpartition(":")[0] not in MEMORY_MODULES) == []
+
+
+def _store_assignments(source: str) -> list[int]:
+    """Lines that assign an attribute of a store (``x.store.a = ...``, ``store.a = ...``, ``x._store.a += ...``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign):
+            continue
+        for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+            owner = t.value if isinstance(t, ast.Attribute) else None
+            named = isinstance(owner, ast.Name) and owner.id in ("store", "_store")
+            if named or (isinstance(owner, ast.Attribute) and owner.attr in ("store", "_store")):
+                found.append(node.lineno)
+    return found
+
+
+def test_no_layer_assigns_attributes_onto_a_store() -> None:
+    """What the layers above add to a store is attached through ``ShardStore.attach`` (typed hooks declared
+    in the variables layer), never assigned onto it."""
+    outside = [p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).parts[0] != "variables"]
+    assert len(outside) > 30
+    found = [f"{p.relative_to(PACKAGE)}:{n}" for p in outside for n in _store_assignments(p.read_text())]
+    assert found == []
+
+
+def test_the_assignment_finder_finds_assignments() -> None:
+    source = "table.store.sink = f\nself._store.exchange = e\nstore.x += 1\nstore = s\nx.store = s\ny.a.b = 1\n"
+    assert _store_assignments(source) == [1, 2, 3]

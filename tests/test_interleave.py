@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 import shardvar
 from shardvar import EmbeddingBagCollection, TableConfig
 from shardvar import optim as so
-from shardvar.variables._group_rows import locate, member_major
 from shardvar.variables._memory import as_slab
+from shardvar.variables._plan import GroupPlan, RowOrder
 from shardvar.variables._relayout import transpose_rows_
 
 DIM = 4
@@ -84,11 +84,12 @@ def test_locate_and_member_major_match_brute_force(layout, data) -> None:
         for i in range(size):
             owner[start + step * i] = (k, i)
     rows = torch.tensor(data.draw(st.lists(st.sampled_from(sorted(owner)), max_size=40)), dtype=torch.int64)
-    member, local = locate(tuple(starts), tuple(steps), sizes, rows)
+    plan = GroupPlan(torch.device("cpu"), tuple(range(len(sizes))), tuple(starts), tuple(steps), tuple(sizes), True)
+    member, local = plan.locate(rows)
     assert [(int(m), int(i)) for m, i in zip(member, local, strict=True)] == [owner[int(r)] for r in rows]
     firsts = [sum(sizes[:k]) for k in range(len(sizes))]
     want = [firsts[owner[int(r)][0]] + owner[int(r)][1] for r in rows]
-    assert member_major(tuple(starts), tuple(steps), sizes, rows).tolist() == want
+    assert plan.member_major(rows).tolist() == want
 
 
 def _collection(sparse: bool = True) -> EmbeddingBagCollection:
@@ -131,8 +132,8 @@ def test_a_fused_optimizer_lays_equal_mod_tables_row_by_row_and_trains_the_same(
     handle = so.fuse(fused_opt)
     tables = fused.embedding_bags
     assert [k for k, t in tables.items() if t.store.interleaved] == ["a", "e"]
-    assert tables["a"].weight.variables[1].stride() == (8 * DIM, 1) and tables["a"].store.row_order == "logical"
-    assert tables["c"].store.row_order == "storage"  # unequal shards stay back to back
+    assert tables["a"].weight.variables[1].stride() == (8 * DIM, 1) and tables["a"].store.row_order is RowOrder.LOGICAL
+    assert tables["c"].store.row_order is RowOrder.STORAGE  # unequal shards stay back to back
     assert all(torch.equal(before[k], v) for k, v in _tables(fused).items())  # the same table, rows moved
     batches = _batches()
     _train(plain, plain_opt, batches)
@@ -198,7 +199,7 @@ def test_a_fused_table_moved_by_apply_keeps_its_rows_and_state_in_order(tmp_path
     _train(plain, plain_opt, batches[:2])
     _train(fused, fused_opt, batches[:2])
     fused._apply(lambda t: t.clone())  # every shard into memory of its own: the collection regroups
-    assert fused.embedding_bags["a"].store.row_order == "logical"
+    assert fused.embedding_bags["a"].store.row_order is RowOrder.LOGICAL
     _train(plain, plain_opt, batches[2:])
     _train(fused, fused_opt, batches[2:])
     for k, v in _tables(fused).items():
@@ -242,7 +243,7 @@ def test_rows_stay_put_where_a_tensor_of_someone_else_holds_them() -> None:
     before = whole.clone()
     v = shardvar.ShardedVariable([torch.randn(8, DIM, requires_grad=True) for _ in range(8)], partition_strategy="mod")
     cut = shardvar.ShardedVariable(list(whole.split(8)), partition_strategy="mod")
-    assert v.store.row_order == cut.store.row_order == "storage"
+    assert v.store.row_order is cut.store.row_order is RowOrder.STORAGE
     h = so.fuse(so.RowWiseAdagrad([("v", v)], lr=0.1))
     assert v.store.interleaved  # its own memory (adopted): laid row by row
     h.remove()

@@ -11,6 +11,7 @@ import torch
 
 import shardvar
 from shardvar import optim as so
+from shardvar.variables._plan import RowOrder
 
 ROWS, DIM, SHARDS = 64, 4, 8
 IDS = torch.randint(0, ROWS, (6, 4), generator=torch.Generator().manual_seed(1))
@@ -198,7 +199,7 @@ def test_shards_moved_one_by_one_under_a_fused_optimizer_keep_their_rows_and_sta
                 for p in model.parameters():  # them back to back, the state staying row by row
                     p.data = p.data.clone()
         if handle is not None:
-            assert all(t.store.row_order == "logical" for t in model.embedding_bags.values())
+            assert all(t.store.row_order is RowOrder.LOGICAL for t in model.embedding_bags.values())
             handle.remove()
         return [t.weight.to_tensor().detach() for t in model.embedding_bags.values()] + list(
             opt.state_dict()["state"].values()

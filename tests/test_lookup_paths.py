@@ -70,7 +70,7 @@ def test_the_member_holding_each_row_of_a_slab(sizes: list[int]) -> None:
     """The division shortcut for balanced sizes agrees with a binary search, for any sizes."""
     import itertools
 
-    from shardvar.variables._group_rows import _member
+    from shardvar.variables._plan import _member
 
     starts = torch.tensor([0, *itertools.accumulate(sizes)][:-1])
     rows = torch.arange(sum(sizes))

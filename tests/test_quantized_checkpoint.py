@@ -125,7 +125,7 @@ def test_quantize_a_checkpoint_refuses_bad_input_before_writing(tmp_path) -> Non
     with pytest.raises(shardvar.ShardvarDTypeError, match="int64; only floating-point"):
         quantize(tmp_path / "s", torch.quint8, dst=tmp_path / "d", tables=["ids"])
     with pytest.raises(shardvar.ShardvarValueError, match="embedding_dim 3"):
-        quantize(tmp_path / "s", torch.quint4x2, dst=tmp_path / "d")
+        quantize(tmp_path / "s", torch.quint4x2, dst=tmp_path / "d", tables="t")
     with pytest.raises(CheckpointError, match="'nope'"):
         quantize(tmp_path / "s", torch.quint8, dst=tmp_path / "d", tables=["nope"])
     with pytest.raises(CheckpointError, match="pass dst"):

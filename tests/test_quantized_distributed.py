@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 import shardvar
-from dist_quantized_workers import DIM, ROWS, batch
+from dist_quantized_workers import COLLECTION, COLLECTION_PLACEMENT, DIM, ROWS, batch, collection_batch
 from distributed import run_ranks
 from shardvar.variables import RowInitializer
 
@@ -44,3 +46,44 @@ def _check(dtype: str, shards: int, strategy: str, results: list[dict], float_ow
         assert r["calls"] == {"all_to_all": 3}  # split sizes, ids, packed rows: bytes, not floats
         assert "rank(s) [1] passed ids outside it" in r["bad_id_error"]
     assert sum(r["nbytes"] for r in results) == reference.nbytes
+
+
+def _initial(tables: dict) -> dict[str, torch.Tensor]:
+    """The tables a distributed collection starts from with RowInitializer(5): end to end, by logical row."""
+    first = dict(zip(tables, itertools.accumulate([0, *(c.num_embeddings for c in tables.values())]), strict=False))
+    return {
+        t: RowInitializer(5).rows(first[t] + torch.arange(c.num_embeddings), (c.embedding_dim,))
+        for t, c in tables.items()
+    }
+
+
+def test_a_distributed_collection_quantized_rank_by_rank_serves_as_the_local_twin(tmp_path) -> None:
+    dtypes = ["quint8", "quint4x2", "float16"]
+    results = run_ranks(2, "dist_quantized_workers:quantized_collections", tmp_path / "out", dtypes=dtypes)
+    local = shardvar.EmbeddingBagCollection(COLLECTION)
+    local.load_state_dict({f"embedding_bags.{t}.weight": w for t, w in _initial(COLLECTION).items()})
+    sequence = shardvar.EmbeddingCollection(
+        {n: shardvar.TableConfig(c.num_embeddings, c.embedding_dim, feature_names=c.feature_names)
+         for n, c in COLLECTION.items()}
+    )  # fmt: skip
+    sequence.load_state_dict({f"embeddings.{t}.weight": w for t, w in _initial(COLLECTION).items()})
+    for dtype in dtypes:
+        q, qs = shardvar.quantize(local, getattr(torch, dtype)), shardvar.quantize(sequence, getattr(torch, dtype))
+        for rank, r in enumerate(results):
+            got = r[dtype]
+            assert got["type"] == "QuantizedDistributedEmbeddingBagCollection"
+            ids, weights = collection_batch(rank)
+            want = q(ids, per_sample_weights=weights)
+            assert list(got["bags"]) == list(want) == list(ids)  # the features in the order given
+            for f in want:
+                torch.testing.assert_close(got["bags"][f], want[f], atol=1e-6, rtol=0)
+            for f, rows in qs(ids).items():
+                torch.testing.assert_close(got["rows"][f][0], rows.values, atol=0, rtol=0)
+                assert torch.equal(got["rows"][f][1], rows.lengths)
+            assert got["calls"] == r["float_calls"]  # the float collection's exchange: as many collectives
+            for kind, (float_error, quantized_error) in got["errors"].items():
+                assert float_error is not None and quantized_error == float_error, kind
+            assert "not checkpointed: save the float collection and quantize the checkpoint" in got["save_error"][1]
+        assert sum(r[dtype]["nbytes"] for r in results) == q.nbytes + sum(
+            t.nbytes for n, t in q.embedding_bags.items() if COLLECTION_PLACEMENT.get(n) == "replicate"
+        )  # every rank's shards once, the replicated table on each rank

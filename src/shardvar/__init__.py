@@ -54,7 +54,13 @@ from .partitioners import (
     min_max_variable_partitioner,
     variable_axis_size_partitioner,
 )
-from .quantized import QuantizedEmbedding, QuantizedEmbeddingBag, QuantizedEmbeddingBagCollection, quantize
+from .quantized import (
+    QuantizedEmbedding,
+    QuantizedEmbeddingBag,
+    QuantizedEmbeddingBagCollection,
+    QuantizedEmbeddingCollection,
+    quantize,
+)
 from .transform import (
     PartitionSpec,
     Plan,
@@ -159,5 +165,6 @@ __all__ = [
     "QuantizedEmbedding",
     "QuantizedEmbeddingBag",
     "QuantizedEmbeddingBagCollection",
+    "QuantizedEmbeddingCollection",
     "quantize",
 ]

@@ -85,7 +85,9 @@ def stage(entries: list[Entry], budget: int | None, key: object) -> list[Entry]:
                 if buffer is None:
                     buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
                 copies[s] = buffers[slot] = buffer.copy_(value)
-            staged.append(Entry(e.name, e.dtype, e.shape, e.layout, e.shard_shapes, copies.__getitem__, e.replicated))
+            staged.append(
+                Entry(e.name, e.dtype, e.shape, e.layout, e.shard_shapes, copies.__getitem__, e.replicated, role=e.role)
+            )
     _STAGING[key] = buffers
     return staged
 

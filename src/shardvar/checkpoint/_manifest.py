@@ -23,7 +23,9 @@ from ..layout import Layout
 from ._files import open_regular
 from ._safetensors import CHECKSUM, CHECKSUMS, DTYPE_CODES, StoredTensor
 
-__all__ = ["CheckpointError", "Piece", "VariableEntry", "Manifest", "MANIFEST", "FORMAT", "VERSION", "READABLE"]
+__all__ = [
+    "CheckpointError", "Piece", "VariableEntry", "Manifest", "MANIFEST", "FORMAT", "VERSION", "READABLE", "ROLES",
+]  # fmt: skip
 
 MANIFEST = "manifest.json"
 FORMAT = "shardvar-checkpoint"
@@ -33,6 +35,11 @@ MAX_MANIFEST_BYTES = 256 << 20
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*\.safetensors$")
 _DTYPES = {str(d).removeprefix("torch."): d for d in DTYPE_CODES}
 _BIG = 1 << 62  # no size, offset or count in a real checkpoint comes near this
+# A variable's optional "role": what the saver knew it to be. "table": an embedding table (its rows are
+# looked up by id; ``shardvar.quantize(path, ...)`` packs these), "other": anything else (dense layers,
+# optimizer state, buffers). No field (checkpoints written before it, or a bare tensor or sharded
+# variable saved without a module to say): unknown, ``role`` None.
+ROLES = ("table", "other")
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,7 @@ class VariableEntry:
     shape: tuple[int, ...]
     layout: Layout | None  # None for a 0-d tensor, stored whole
     pieces: tuple[Piece, ...]
+    role: str | None = None  # one of ROLES, or None: unknown
 
     @property
     def nbytes(self) -> int:
@@ -105,6 +113,7 @@ class Manifest:
                     "shape": list(v.shape),
                     "layout": None if v.layout is None else v.layout.to_json(),
                     "pieces": [p.to_json() for p in v.pieces],
+                    **({} if v.role is None else {"role": v.role}),
                 }
                 for name, v in self.variables.items()
             },
@@ -204,7 +213,11 @@ def _ints(value: Any, what: str, minimum: int = 0, maximum: int = _BIG, limit: i
 
 def _variable(name: str, v: Any, checksum: str) -> VariableEntry:
     where = f"variable {name!r}"
-    _check_keys(v, {"dtype", "shape", "layout", "pieces"}, where)
+    fields = {"dtype", "shape", "layout", "pieces"}
+    _check_keys(v, fields | ({"role"} & set(v)) if isinstance(v, dict) else fields, where)
+    role = v.get("role")
+    if "role" in v and role not in ROLES:
+        raise CheckpointError(f"{where} has role {role!r:.40}; a role is one of {list(ROLES)} (or absent: unknown)")
     dtype = _DTYPES.get(v["dtype"]) if isinstance(v["dtype"], str) else None
     if dtype is None:
         raise CheckpointError(f"{where} has unknown dtype {v['dtype']!r:.40}; known: {sorted(_DTYPES)}")
@@ -220,7 +233,7 @@ def _variable(name: str, v: Any, checksum: str) -> VariableEntry:
         raise CheckpointError(f"{where}: pieces must be a list with one piece per saved shard")
     pieces = [_piece(where, p, checksum) for p in v["pieces"]]
     _check_cover(name, shape, layout, pieces)
-    return VariableEntry(name, dtype, shape, layout, tuple(pieces))
+    return VariableEntry(name, dtype, shape, layout, tuple(pieces), role)
 
 
 _PIECE_KEYS = {"file", "key", "start", "step", "count", "shape", "begin", "chunk_rows"}

@@ -70,7 +70,8 @@ def _rewritten(chain: Chain, name: str, partitioner: Any, partition_strategy: st
         shapes = dict(enumerate(layout.shard_shapes(entry.shape)))
     for piece in entry.pieces:
         _check_file(link.files, entry, piece)
-    return Entry(entry.name, entry.dtype, entry.shape, layout, shapes, lambda s: chain.read(name, layout, [s])[0])
+    read = lambda s: chain.read(name, layout, [s])[0]  # noqa: E731
+    return Entry(entry.name, entry.dtype, entry.shape, layout, shapes, read, role=entry.role)
 
 
 def _rewrite(

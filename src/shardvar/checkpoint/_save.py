@@ -24,12 +24,17 @@ _LOCAL = Coordinator()  # this process's saves (the distributed layer passes its
 def _plan_save(state_dict: dict[str, Any]) -> tuple[list[Entry], dict]:
     state = resolve(state_dict)
     entries = [entry_of(name, value) for name, value in state.variables.items()]
+    for e in entries:
+        e.role = state.roles.get(e.name)
     extra: dict[str, Any] = {"optimizers": {}}
     packed = {n: v.packed for n, v in state.variables.items() if isinstance(v, ShardsView) and v.packed is not None}
     if packed:
         extra[PACKED] = packed
     for key, optimizer in state.optimizers.items():
-        entries += [entry_of(n, v) for n, v in optimizer_state(state, key, optimizer).items()]
+        slots = [entry_of(n, v) for n, v in optimizer_state(state, key, optimizer).items()]
+        for e in slots:
+            e.role = "other"
+        entries += slots
         extra["optimizers"][key] = optimizer_info(state, key, optimizer)
     if state.table_optimizers:  # their state is among the variables; their groups' options here
         extra["table_optimizers"] = {key: group_options(key, opt) for key, opt in state.table_optimizers.items()}

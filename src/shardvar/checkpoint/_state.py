@@ -44,6 +44,10 @@ class State:
     optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
     # shardvar.optim's optimizers (their state is among the variables): their param groups' options
     table_optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
+    # what each variable is, as the manifest records it (_manifest.ROLES): a module's embedding tables
+    # (those its modules name in ``embedding_tables``) "table", its other state "other"; a tensor or
+    # sharded object given by itself is left unknown (absent)
+    roles: dict[str, str] = field(default_factory=dict)
 
     def add_variable(self, name: str, value: ShardsView | torch.Tensor) -> None:
         if name in self.variables:
@@ -58,8 +62,18 @@ class State:
             self.param_name[id(value)] = name
 
 
+def _tables_of(module: nn.Module) -> tuple[str, ...]:
+    """The names of a module's own variables that are embedding tables: an ``nn.Embedding(Bag)``'s weight
+    (a sharded one's too), or those a module names in ``embedding_tables`` (packed tables, collections)."""
+    default = ("weight",) if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) else ()
+    return tuple(getattr(module, "embedding_tables", default))
+
+
 def _add_module(state: State, key: str, module: nn.Module) -> None:
+    first = len(state.variables)
+    tables: set[str] = set()
     for mod_name, sub in module.named_modules():
+        tables |= {f"{key}/{mod_name}.{n}" if mod_name else f"{key}/{n}" for n in _tables_of(sub)}
         found = sharded_parameters(sub, recurse=False)  # sharded modules' tables and partitioned parameters
         for local, value in found.items():
             partial = as_shards_view(value)
@@ -72,6 +86,8 @@ def _add_module(state: State, key: str, module: nn.Module) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise ShardvarTypeError(f"state_dict entry {key}/{name} of the module is a {type(tensor).__name__}")
         state.add_variable(f"{key}/{name}", tensor)
+    for name in list(state.variables)[first:]:
+        state.roles[name] = "table" if name in tables else "other"
 
 
 def resolve(state_dict: dict[str, Any]) -> State:
@@ -94,6 +110,7 @@ def resolve(state_dict: dict[str, Any]) -> State:
             for name, value in obj.sharded_variables().items():
                 partial = as_shards_view(value)
                 state.add_variable(f"{key}/{name}", partial if partial is not None else value)
+                state.roles[f"{key}/{name}"] = "other"  # an optimizer's state
             if isinstance(obj, torch.optim.Optimizer):
                 state.table_optimizers[key] = obj
         elif isinstance(obj, torch.optim.Optimizer):

@@ -51,6 +51,7 @@ class Entry:
     # Instead of ``produce``: (shard, first local row, rows) pieces feeding all shards in one pass
     # (each shard's rows in order); the shards then share one data file.
     stream: Callable[[], Iterable[tuple[int, int, torch.Tensor]]] | None = None
+    role: str | None = None  # the manifest's role (_manifest.ROLES), None: unknown
 
     @property
     def nbytes(self) -> int:
@@ -259,14 +260,14 @@ def _commit(directory: Path, manifest: Manifest, save_id: str, keep_spare: bool)
 def _manifest(everyone: list[Any], save_id: str) -> Manifest:
     variables = {}
     for name in dict.fromkeys(n for m, _, _ in everyone for n in m):
-        dtype, shape, layout = next(m[name] for m, _, _ in everyone if name in m)
+        dtype, shape, layout, role = next(m[name] for m, _, _ in everyone if name in m)
         found = sorted(((s, p) for _, w, _ in everyone for s, p in w.get(name, [])), key=lambda sp: sp[0])
         expected = list(range(layout.num_shards if layout else 1))
         if [s for s, _ in found] != expected:
             raise CheckpointError(
                 f"variable {name!r}: the processes wrote shards {[s for s, _ in found]}; expected each of {expected}"
             )
-        variables[name] = VariableEntry(name, dtype, shape, layout, tuple(p for _, p in found))
+        variables[name] = VariableEntry(name, dtype, shape, layout, tuple(p for _, p in found), role)
     extras = [x for _, _, x in everyone]
     optimizers = {k: merge_infos([x["optimizers"][k] for x in extras], k) for k in extras[0].get("optimizers", {})}
     return Manifest(variables, {**extras[0], "optimizers": optimizers}, save_id)
@@ -315,7 +316,7 @@ def _write_and_commit(
                 "previous checkpoint is intact"
             )
         )
-    meta = {e.name: (e.dtype, e.shape, e.layout) for e in entries}
+    meta = {e.name: (e.dtype, e.shape, e.layout, e.role) for e in entries}
     everyone = c.gather(None if error else (meta, written, extra))
     if error is not None:
         raise error

@@ -6,6 +6,7 @@ from ._comm import DEFAULT_TIMEOUT, Comm
 from ._dynamic import DistributedDynamicEmbedding
 from ._module import DistributedEmbedding, DistributedEmbeddingBag
 from ._placement import plan_collection
+from ._quantized import QuantizedDistributedEmbeddingBagCollection, QuantizedDistributedEmbeddingCollection
 from ._variable import DistributedShardedVariable, distributed_store, round_robin
 
 __all__ = [
@@ -17,6 +18,8 @@ __all__ = [
     "DistributedEmbeddingBagCollection",
     "DistributedEmbeddingCollection",
     "DistributedShardedVariable",
+    "QuantizedDistributedEmbeddingBagCollection",
+    "QuantizedDistributedEmbeddingCollection",
     "distributed_store",
     "load",
     "plan_collection",

@@ -22,7 +22,7 @@ from torch import nn
 from .._errors import ShardvarDistributedError, ShardvarTypeError, ShardvarValueError
 from ..layout import Layout
 from ..nn import KeyedJagged, TableConfig
-from ..nn._collection import check_tables, feature_map, pack, split_inputs
+from ..nn._collection import check_tables, feature_map, pack, row_dtype, split_inputs
 from ..nn._jagged import jagged_split
 from ..variables import RowInitializer, ShardedVariable, ShardStore
 from ..variables._create import to_layout
@@ -31,7 +31,7 @@ from ._module import DistributedEmbedding, DistributedEmbeddingBag
 from ._placement import plan_collection
 from ._replicas import Replicas
 
-__all__ = ["DistributedEmbeddingBagCollection", "DistributedEmbeddingCollection"]
+__all__ = ["DistributedEmbeddingBagCollection", "DistributedEmbeddingCollection", "lookup_collection"]
 
 
 class _Unnamed:
@@ -176,6 +176,11 @@ class DistributedEmbeddingBagCollection(nn.Module):
             bag.set_state_dict_form("sharded")  # this rank's shards; tables are saved by the collection
         self.bags = nn.ModuleList(bags)
 
+    @property
+    def embedding_tables(self) -> tuple[str, ...]:
+        """Its tables' variables (row-wise and replicated), which a checkpoint records as embedding tables."""
+        return tuple(f"{self.prefix}.{name}.weight" for name in self.configs)
+
     def sharded_variables(self) -> dict[str, ShardedVariable]:
         """Each table as one logical variable, named as in the local collection, in its own layout: this
         rank's shards of it (the group's own tensors) in a store of the table's, so a table optimizer
@@ -205,22 +210,32 @@ class DistributedEmbeddingBagCollection(nn.Module):
 
         A table's features go in one request, so an id two of them hold is sent and fetched once.
         """
-        table_of, keys_of = self.served
-        modes = {f: self.configs[t].mode if self.pooled else None for f, t in table_of.items()}
-        features, offsets, weights = split_inputs(features, offsets, per_sample_weights, modes, (), keys_of)
-        if set(features) != set(modes):
-            given = sorted(f for f, keys in keys_of.items() if keys[0] in features)
-            raise ShardvarValueError(f"every rank gives every feature {sorted(keys_of)}; got {given}")
-        out: dict[str, torch.Tensor] = self.replicas(features, offsets, weights, table_of)
-        for names, bag in zip(self.groups, self.bags, strict=True):
-            present = [f for f in features if table_of[f] in names]
-            packed = pack(present, table_of, self.layouts, self.starts, bag.store.dtype, features, offsets, weights)
-            rows, offs, psw, counts = packed
-            if not self.pooled:
-                out.update(jagged_split(bag(rows), offs, counts, present))
-                continue
-            out.update(zip(present, bag(rows, offs, per_sample_weights=psw).split(counts), strict=True))
-        return {f: out[f] for f in features}
+        return lookup_collection(self, self.bags, self.replicas, features, offsets, per_sample_weights)
+
+
+def lookup_collection(
+    collection: Any, bags: Any, replicas: Any, features: Any, offsets: Any, per_sample_weights: Any
+) -> dict[str, Any]:
+    """A distributed collection's lookup (its ``groups``, ``layouts``, ``starts``, ``served``) with
+    ``bags`` as its groups' tables and ``replicas`` as its replicated tables: the float collection's, or
+    its quantized twin's (packed tables, the same exchange)."""
+    table_of, keys_of = collection.served
+    modes = {f: collection.configs[t].mode if collection.pooled else None for f, t in table_of.items()}
+    features, offsets, weights = split_inputs(features, offsets, per_sample_weights, modes, (), keys_of)
+    if set(features) != set(modes):
+        given = sorted(f for f, keys in keys_of.items() if keys[0] in features)
+        raise ShardvarValueError(f"every rank gives every feature {sorted(keys_of)}; got {given}")
+    out: dict[str, torch.Tensor] = replicas(features, offsets, weights, table_of)
+    layouts, starts = collection.layouts, collection.starts
+    for names, bag in zip(collection.groups, bags, strict=True):
+        present = [f for f in features if table_of[f] in names]
+        packed = pack(present, table_of, layouts, starts, row_dtype(bag), features, offsets, weights)
+        rows, offs, psw, counts = packed
+        if not collection.pooled:
+            out.update(jagged_split(bag(rows), offs, counts, present))
+            continue
+        out.update(zip(present, bag(rows, offs, per_sample_weights=psw).split(counts), strict=True))
+    return {f: out[f] for f in features}
 
 
 class DistributedEmbeddingCollection(DistributedEmbeddingBagCollection):

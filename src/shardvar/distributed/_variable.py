@@ -82,8 +82,7 @@ def distributed_store(
         values=lambda s: init.rows(layout.shard_ids(s), row_shape, dtype),
         requires_grad=requires_grad,
     )
-    store.exchange = Exchange(comm, ranks, requires_grad)
-    return store
+    return store.attach(exchange=Exchange(comm, ranks, requires_grad))
 
 
 class DistributedShardedVariable(ShardedVariable):

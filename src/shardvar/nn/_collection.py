@@ -22,11 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._errors import ShardvarError, ShardvarTypeError, ShardvarValueError
-from .._pages import empty
 from ..layout import Layout, as_ids
 from ..variables import ShardedVariable
 from ..variables._functional import slab_weight
-from ..variables._memory import as_slab
+from ..variables._memory import as_slab, lay_out
 from ._collection_build import FeatureMap, TableConfig, build_tables, check_tables, feature_map
 from ._embedding import ShardedEmbedding, ShardedEmbeddingBag
 from ._jagged import KeyedJagged, jagged_split
@@ -115,48 +114,23 @@ def batch_tables(bags: Mapping[str, Table]) -> list[tuple[list[str], ShardedVari
         by_kind.setdefault((bag.embedding_dim, getattr(bag, "mode", None), bag.store.dtype, bag.sparse), []).append(
             name
         )
-    for (dim, _, dtype, _), names in by_kind.items():
+    for names in by_kind.values():
         shards = [p for n in names for p in bags[n].weight.variables]
         device = shards[0].device
         if any(p.device != device for p in shards):
             groups += [([n], None) for n in names]  # tables on several devices: one by one
             continue
-        if as_slab(list(shards)) is None or not all(_in_order(bags[n].store) for n in names):
-            _move_into_one([bags[n] for n in names], dim, dtype, device)  # not built in one allocation
+        if as_slab(list(shards)) is None or not all(bags[n].store.rows_as_kept for n in names):
+            # Not built in one allocation: table after table, each table's shards back to back, or row by
+            # row where a fused optimizer keeps them so (``store.interleaved``).
+            lay_out([(bags[n].weight.variables, bags[n].store.interleaved) for n in names])
             for n in names:  # each table's store lets go of its own allocation: the tables are held once
                 bags[n].store.refresh()
         variable = ShardedVariable(shards)
         for n in names:  # the stores over the group's memory: a fused optimizer moves rows only if none else is
-            bags[n].store.companions = (variable._store, *(bags[m].store for m in names if m != n))
+            bags[n].store.attach(companions=(variable._store, *(bags[m].store for m in names if m != n)))
         groups.append((names, variable))
     return groups
-
-
-def _in_order(store: Any) -> bool:
-    """Whether a table's rows lie as its lookups read them: in logical order (as a fused optimizer
-    keeps its interleaved tables), or its shards back to back in shard order."""
-    return store.row_order == "logical" or (store.row_order == "storage" and not store.interleaved)
-
-
-def _move_into_one(tables: list[Table], dim: int, dtype: torch.dtype, device: torch.device) -> None:
-    """The tables' shards moved into one new allocation, table after table: each table's shards back to
-    back, or row by row where a fused optimizer keeps them so (``store.interleaved``)."""
-    slab = empty((sum(t.num_embeddings for t in tables), dim), dtype=dtype, device=device)
-    start = 0
-    with torch.no_grad():
-        for table in tables:
-            shards = table.weight.variables
-            n = len(shards)
-            region = slab[start : start + table.num_embeddings]
-            split = (
-                [region[s::n] for s in range(n)]
-                if table.store.interleaved
-                else region.split([p.shape[0] for p in shards])
-            )
-            for p, piece in zip(shards, split, strict=True):
-                piece.copy_(p)
-                p.set_(slab.untyped_storage(), piece.storage_offset(), p.shape, piece.stride())
-            start += table.num_embeddings
 
 
 def lookup_tables(
@@ -200,8 +174,14 @@ def _reading_first(
     for f in inputs[0]:
         t = table_of[f]
         if any(t in groups[i][0] for i in writing):
-            feature_bags(f, inputs, tables[t].layout.num_rows, tables[t].store.dtype)
+            feature_bags(f, inputs, tables[t].layout.num_rows, row_dtype(tables[t]))
     return [g for i, g in enumerate(groups) if i not in writing] + [groups[i] for i in writing]
+
+
+def row_dtype(table: Any) -> torch.dtype:
+    """The dtype of the rows a table's lookup returns, which its per_sample_weights take (torch's rule): its
+    store's, or what a table of stored bytes (a packed one, ``lookup_dtype``) dequantizes them to."""
+    return getattr(table, "lookup_dtype", None) or table.store.dtype
 
 
 def pooling(table: Table) -> str | None:
@@ -321,7 +301,7 @@ def _lookup_table(
         except ShardvarError as e:  # checked by the table's forward before its lookup, by the same rules
             raise type(e)(f"feature {f!r}: {e}") from None
     logical = {name: _one_shard(table)}  # the table's own ids: its forward finds their shards
-    ids, offs, psw, counts = pack(mine, table_of, logical, {name: 0}, table.store.dtype, *inputs)
+    ids, offs, psw, counts = pack(mine, table_of, logical, {name: 0}, row_dtype(table), *inputs)
     if not pooled:
         return jagged_split(table(ids), offs, counts, mine)
     return dict(zip(mine, table(ids, offs, per_sample_weights=psw).split(counts), strict=True))

@@ -24,6 +24,7 @@ from .._pages import empty
 from .._validate import check_bag_mode, check_choice, check_float_dtype, check_int
 from ..layout import Layout
 from ..variables import ShardStore, to_layout
+from ..variables._memory import shards_over
 from ._jagged import check_names
 
 __all__ = ["FeatureMap", "TableConfig", "build_tables", "check_tables", "feature_map"]
@@ -116,14 +117,7 @@ PIECE_BYTES = 1 << 20  # the most drawn outside the tables at once (mod shards: 
 
 def _store_over(slab: torch.Tensor, first: int, layout: Layout, shape: tuple[int, int]) -> ShardStore:
     """A store of ``layout``'s shards as Parameters over ``slab``'s rows from ``first`` on, back to back."""
-    shards, start, width = {}, first, shape[1]
-    with torch.no_grad():
-        for s, size in enumerate(layout.sizes):
-            p = nn.Parameter(torch.empty(0, dtype=slab.dtype, device=slab.device))
-            p.set_(slab.untyped_storage(), slab.storage_offset() + start * width, (size, width), (width, 1))
-            shards[s] = p
-            start += size
-    return ShardStore(layout, shape, shards)
+    return ShardStore(layout, shape, dict(enumerate(shards_over(slab, first, layout.sizes))))
 
 
 @torch.no_grad()

@@ -71,9 +71,7 @@ class ShardedWeight(nn.Module):
         names, tensors = self._registered
         # Every shard Parameter still the store's (C-level loops: this runs on every forward).
         if not all(map(operator.is_, map(self._parameters.get, names), tensors)):
-            exchange = self._store.exchange  # a shard Parameter was replaced: rebuild over the new ones
-            self._store = ShardStore(self._store.layout, self._store.shape, self._shard_params())
-            self._store.exchange = exchange
+            self._store = self._store.with_shards(self._shard_params())  # a shard Parameter was replaced
         return self._store.refresh()
 
     @property

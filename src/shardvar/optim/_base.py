@@ -64,15 +64,15 @@ def sparse_group_grad(
     given = [(k, x) for k, x in sorted(grads.items()) if x is not None]
     local = [x._indices()[0] for _, x in given]
     _check_rows(table, [group.members[k] for k, _ in given], local)
-    width = table.store.width
-    rows = torch.cat([group.starts[k] + group.steps[k] * r for (k, _), r in zip(given, local, strict=True)])
+    width, plan = table.store.width, group.plan
+    rows = torch.cat([plan.to_group(k, r) for (k, _), r in zip(given, local, strict=True)])
     values = torch.cat([x._values().reshape(r.numel(), width) for (_, x), r in zip(given, local, strict=True)])
     if not summed:
         return rows, values
-    if all(step == 1 for step in group.steps):
+    if not plan.interleaved:
         return _summed(rows, values, rows)  # back to back: the rows are their own keys
-    before = list(itertools.accumulate((table.store.layout.sizes[s] for s in group.members), initial=0))
-    return _summed(rows, values, torch.cat([before[k] + r for (k, _), r in zip(given, local, strict=True)]))
+    keys = torch.cat([plan.to_member_major(k, r) for (k, _), r in zip(given, local, strict=True)])
+    return _summed(rows, values, keys)
 
 
 def _slab_grad(table: Table, g: int, summed: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -235,17 +235,16 @@ class TableOptimizer(torch.optim.Optimizer):
     def _update_member(self, t: Table, group: dict, g: int, k: int, step: int) -> None:
         """Update member ``k`` of group ``g`` from its own gradient (the fused path, one shard at a time)."""
         store = t.store
-        info = store.groups[g]
-        s, first, stride = info.members[k], info.starts[k], info.steps[k]
+        plan = store.groups[g].plan
+        s = plan.members[k]
         x = store.local_shards()[s].grad
         if x is None:
             return
         if x.is_sparse:
             self._update_sparse(t, group, g, {k: x}, step)
             return
-        size = store.layout.sizes[s]
-        rows = first + stride * torch.arange(size, device=x.device)
-        grad = torch.movedim(x, store.layout.axis, 0).reshape(size, store.width)
+        rows = plan.member_rows(k, x.device)
+        grad = torch.movedim(x, store.layout.axis, 0).reshape(plan.sizes[k], store.width)
         self._apply(t, group, g, rows, grad, step, False)
 
     def state_dict(self) -> dict[str, Any]:

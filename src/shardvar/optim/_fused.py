@@ -9,7 +9,7 @@ rows and their state per table, not one per shard (8 mod shards would be 8 passe
 The step count of each table advances once per backward, at its end. ``optimizer.step()`` then
 has nothing left to do; ``handle.remove()`` restores the ordinary behaviour.
 
-A table held in one slab also gets a sink (``ShardStore.sink``): a sparse collection's backward
+A table held in one slab also gets a sink (``ShardStore.attach(sink=...)``): a sparse collection's backward
 sums its rows' gradient and hands it straight to the update, table by table and a slice of rows
 at a time (``nn._bag_grad.SINK_BYTES``), each slice updated before the next is summed, so neither
 the gradients of all tables nor a whole table's exist at once (FBGEMM's fused backward).
@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from .._errors import ShardvarValueError
+from ..variables._plan import storage_ids
 from ..variables._relayout import deinterleave, interleave
 from ._base import TableOptimizer
 from ._tables import Table
@@ -57,7 +58,7 @@ class FusedHandle:
             h.remove()
         self._hooks.clear()
         for t in self.optimizer.tables:
-            t.store.sink = None
+            t.store.attach(sink=None)
         for t in self._interleaved:  # back to contiguous shards, which torch's sparse optimizers can update
             if t.store.interleaved and not deinterleave(t.store, _row_state(t)):
                 warnings.warn(
@@ -81,7 +82,7 @@ class FusedHandle:
                 # was pending at its remove) is this one's to lay back.
                 if interleave(t.store, _row_state(t)) or t.store.interleaved:
                     self._interleaved.append(t)
-                t.store.sink = self._sink(t, group)
+                t.store.attach(sink=self._sink(t, group))
             for g, store_group in enumerate(t.store.groups):
                 for k, s in enumerate(store_group.members):
                     if shards[s].requires_grad:
@@ -140,9 +141,7 @@ def _as_they_lie(store: Any, rows: torch.Tensor, logical: bool) -> torch.Tensor:
         return rows
     if logical:
         return store.slab_rows(rows)
-    layout = store.layout
-    q = layout.num_rows // layout.num_shards  # only equal mod shards move: row r is shard r // q's row r % q
-    return layout.strategy.global_ids(layout.sizes, rows.div(q, rounding_mode="floor"), rows.remainder(q))
+    return storage_ids(store.layout, rows)  # only equal mod shards move
 
 
 def _row_state(table: Table) -> list[torch.Tensor]:

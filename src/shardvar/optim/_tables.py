@@ -73,9 +73,8 @@ class Table:
             if not row_wise:
                 shards.update(store.split_grad(g, state))  # the same views a slab's gradient splits into
                 continue
-            for s, first, step in zip(group.members, group.starts, group.steps, strict=True):
-                size = layout.sizes[s]
-                shards[s] = state[first : first + step * (size - 1) + 1 : step] if size else state[first:first]
+            for k, s in enumerate(group.members):
+                shards[s] = state[group.plan.member_slice(k)]
         shape = (layout.num_rows,) if row_wise else tuple(store.shape)
         return ShardsView(layout, shape, self.store.dtype, shards)
 

@@ -1,4 +1,4 @@
-"""Inference modules over packed tables: drop-ins for ShardedEmbedding(Bag) and EmbeddingBagCollection.
+"""Inference modules over packed tables: drop-ins for ShardedEmbedding(Bag) (the collections: ``_collections``).
 
 A packed table keeps its float twin's layout: its shards (``shard_<i>`` buffers, packed rows as
 ``[rows, width]``) are views of one packed slab, so a lookup is one kernel call. The modules are
@@ -17,14 +17,12 @@ from torch import nn
 
 from .._errors import ShardvarValueError
 from ..layout import Layout
-from ..nn import EmbeddingBagCollection, KeyedJagged
-from ..nn._collection import FeatureMap, lookup_tables
 from ..variables import ShardStore
 from ..variables._packed import RowFormat
 from ..variables._values import ids_device
 from . import _lookup
 
-__all__ = ["PackedVariable", "QuantizedEmbedding", "QuantizedEmbeddingBag", "QuantizedEmbeddingBagCollection"]
+__all__ = ["PackedVariable", "QuantizedEmbedding", "QuantizedEmbeddingBag"]
 
 _INFERENCE_ONLY = (
     "{name} is inference-only: its rows are quantized ({fmt}) and cannot be trained; {fix}. "
@@ -49,6 +47,9 @@ class PackedVariable:
 class _QuantizedTable(nn.Module):
     """A ``[num_embeddings, embedding_dim]`` table held as packed rows in ``fmt``, split by ``layout``."""
 
+    lookup_dtype = torch.float32  # what its lookups return (and per_sample_weights take): rows dequantized
+    embedding_tables = ("weight",)  # a checkpoint records its variable as an embedding table
+
     def __init__(
         self,
         num_embeddings: int,
@@ -64,7 +65,7 @@ class _QuantizedTable(nn.Module):
         self.num_embeddings, self.embedding_dim, self.layout, self.format = num_embeddings, embedding_dim, layout, fmt
         self.padding_idx = padding_idx
         self._store = ShardStore(layout, (num_embeddings, fmt.width(embedding_dim)), shards, dtype=fmt.storage)
-        self._store.exchange = exchange
+        self._store.attach(exchange=exchange)
         for s, t in self._store.local_shards().items():
             self.register_buffer(f"shard_{s}", t)
         self.eval()  # serving is what it is for; train() makes a grad-enabled forward refuse
@@ -74,9 +75,7 @@ class _QuantizedTable(nn.Module):
         """The store over the ``shard_<i>`` buffers (rebuilt if ``.to(...)`` replaced them)."""
         current = {int(n[6:]): t for n, t in self._buffers.items() if n.startswith("shard_")}
         if any(current[s] is not t for s, t in self._store.local_shards().items()):
-            exchange = self._store.exchange
-            self._store = ShardStore(self.layout, self._store.shape, current, dtype=self.format.storage)
-            self._store.exchange = exchange
+            self._store = self._store.with_shards(current, dtype=self.format.storage)
         return self._store.refresh()
 
     @property
@@ -157,30 +156,3 @@ class QuantizedEmbeddingBag(_QuantizedTable):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", mode={self.mode!r}"
-
-
-class QuantizedEmbeddingBagCollection(nn.Module):
-    """``EmbeddingBagCollection``'s forward over packed tables: ``{name: [bags, dim]}``, one kernel per table."""
-
-    def __init__(self, bags: dict[str, QuantizedEmbeddingBag], served: FeatureMap | None = None) -> None:
-        super().__init__()
-        self.embedding_bags = nn.ModuleDict(bags)
-        self.served = served  # the float collection's output keys (None: each table serves its name's feature)
-        self.eval()
-
-    # EmbeddingBagCollection.forward's signature (`duplicates` pairs the two): a drop-in, and the
-    # lookup itself is the float collection's one `lookup_tables`.
-    def forward(
-        self,
-        features: dict[str, Any] | KeyedJagged,
-        offsets: dict[str, Any] | None = None,
-        per_sample_weights: dict[str, Any] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        groups = [([name], None) for name in self.embedding_bags]  # each table its own kernel call
-        return lookup_tables(self.embedding_bags, groups, features, offsets, per_sample_weights, self.served)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.embedding_bags.values())
-
-    concat = staticmethod(EmbeddingBagCollection.concat)

@@ -8,18 +8,38 @@ shards, so the result keeps the layout, the placement and the one-slab lookup.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from .._errors import ShardvarTypeError
 from ..checkpoint._quantize import quantize_checkpoint
-from ..nn import EmbeddingBagCollection, ShardedEmbedding, ShardedEmbeddingBag
+from ..nn import EmbeddingBagCollection, EmbeddingCollection, ShardedEmbedding, ShardedEmbeddingBag
 from ..variables import ShardStore
 from ..variables._packed import RowFormat, row_format
-from ._modules import QuantizedEmbedding, QuantizedEmbeddingBag, QuantizedEmbeddingBagCollection
+from ._collections import QuantizedEmbeddingBagCollection, QuantizedEmbeddingCollection
+from ._modules import QuantizedEmbedding, QuantizedEmbeddingBag
 
-__all__ = ["quantize"]
+__all__ = ["accepted", "quantize", "quantize_table", "quantize_tables", "register"]
+
+Quantizer = Callable[[Any, RowFormat], nn.Module]
+# type -> how ``quantize`` packs it: the one list of what it accepts (its error message names them).
+# Higher layers register their own modules (shardvar.distributed: its collections), as this layer
+# cannot import them.
+_QUANTIZERS: dict[type, Quantizer] = {}
+
+
+def register(cls: type, quantizer: Quantizer) -> None:
+    """``quantize(x, dtype)`` of an instance ``x`` of ``cls`` (or of a subclass) returns ``quantizer(x, fmt)``."""
+    _QUANTIZERS[cls] = quantizer
+
+
+def accepted() -> list[str]:
+    """The names of the types ``quantize`` accepts (their subclasses too), as registered."""
+    return [cls.__name__ for cls in _QUANTIZERS]
+
 
 Table = ShardedEmbedding | ShardedEmbeddingBag
 
@@ -59,7 +79,9 @@ def _pack(table: Table, fmt: RowFormat) -> dict[int, torch.Tensor]:
     return dict(zip(shards, packed.split([t.shape[0] for t in shards.values()]), strict=True))
 
 
-def _quantize_table(table: Table, fmt: RowFormat) -> QuantizedEmbedding | QuantizedEmbeddingBag:
+def quantize_table(table: Table, fmt: RowFormat) -> QuantizedEmbedding | QuantizedEmbeddingBag:
+    """``table`` packed as ``fmt`` rows, in its layout and placement (this rank's shards), lookups alike."""
+    _check(table, fmt, type(table).__name__)
     args = (table.num_embeddings, table.embedding_dim, table.layout, fmt, _pack(table, fmt))
     kwargs = {"padding_idx": table.padding_idx, "exchange": table.store.exchange}
     if isinstance(table, ShardedEmbeddingBag):
@@ -71,14 +93,37 @@ def _check(table: Table, fmt: RowFormat, what: str) -> None:
     fmt.check(table.store.dtype, table.embedding_dim, what)
 
 
+def quantize_tables(tables: dict[str, Table], fmt: RowFormat) -> dict[str, nn.Module]:
+    """Each table packed; every table checked before any is packed."""
+    for name, table in tables.items():
+        _check(table, fmt, f"table {name!r}")
+    return {n: quantize_table(t, fmt) for n, t in tables.items()}
+
+
+def _bag_collection(source: EmbeddingBagCollection, fmt: RowFormat) -> QuantizedEmbeddingBagCollection:
+    return QuantizedEmbeddingBagCollection(quantize_tables(dict(source.embedding_bags), fmt), source.served)
+
+
+def _sequence_collection(source: EmbeddingCollection, fmt: RowFormat) -> QuantizedEmbeddingCollection:
+    return QuantizedEmbeddingCollection(quantize_tables(dict(source.embeddings), fmt), source.served)
+
+
+register(ShardedEmbedding, quantize_table)
+register(ShardedEmbeddingBag, quantize_table)
+register(EmbeddingBagCollection, _bag_collection)
+register(EmbeddingCollection, _sequence_collection)
+
+
 def quantize(source: Any, dtype: Any, *, dst: str | os.PathLike | None = None, tables: Any = None, **options: Any):
     """``source`` with its tables' rows quantized to ``dtype`` (torch.quint8, torch.quint4x2, torch.float16).
 
     ``source`` is a ``ShardedEmbedding`` / ``ShardedEmbeddingBag`` (a distributed one too: each
-    rank packs its own shards), an ``EmbeddingBagCollection``, or a checkpoint path (then ``dst``
-    names the checkpoint written, ``tables`` the variables to pack; see
-    :func:`shardvar.checkpoint.quantize_checkpoint`). The result keeps every table's layout;
-    its modules are inference-only drop-ins for their float twins' ``forward``.
+    rank packs its own shards), an ``EmbeddingBagCollection`` / ``EmbeddingCollection`` or a
+    distributed one (each rank its shards; the same exchange), any type :func:`accepted` lists, or a
+    checkpoint path (then ``dst`` names the checkpoint written, ``tables`` the variables to pack
+    when the manifest does not say; see :func:`shardvar.checkpoint.quantize_checkpoint`). The
+    result keeps every table's layout; its modules are inference-only drop-ins for their float
+    twins' ``forward`` (a collection runs the float collection's own lookup code).
 
     >>> from shardvar import ShardedEmbeddingBag
     >>> bag = ShardedEmbeddingBag(100, 8, partitioner=4, partition_strategy="mod", mode="sum")
@@ -92,15 +137,10 @@ def quantize(source: Any, dtype: Any, *, dst: str | os.PathLike | None = None, t
     if dst is not None or tables is not None or options:
         given = sorted(["dst"] * (dst is not None) + ["tables"] * (tables is not None) + list(options))
         raise ShardvarTypeError(f"{given} apply to quantizing a checkpoint path; got a {type(source).__name__}")
-    if isinstance(source, EmbeddingBagCollection):
-        bags = dict(source.embedding_bags.items())
-        for name, bag in bags.items():  # every table checked before any is packed
-            _check(bag, fmt, f"table {name!r}")
-        return QuantizedEmbeddingBagCollection({n: _quantize_table(b, fmt) for n, b in bags.items()}, source.served)
-    if isinstance(source, (ShardedEmbedding, ShardedEmbeddingBag)):
-        _check(source, fmt, type(source).__name__)
-        return _quantize_table(source, fmt)
-    raise ShardvarTypeError(
-        "quantize takes a ShardedEmbedding, ShardedEmbeddingBag, EmbeddingBagCollection, their distributed "
-        f"twins or a checkpoint path; got {type(source).__name__}"
-    )
+    quantizer = next((_QUANTIZERS[c] for c in type(source).__mro__ if c in _QUANTIZERS), None)
+    if quantizer is None:
+        raise ShardvarTypeError(
+            f"quantize takes a {', '.join(accepted())} (or a subclass) or a checkpoint path; "
+            f"got {type(source).__name__}"
+        )
+    return quantizer(source, fmt)

@@ -28,18 +28,11 @@ def _ordered(store: ShardStore, grads: dict[int, torch.Tensor]) -> tuple[torch.T
     return tuple(grads.get(s) for s in store.local_shards())
 
 
-class _Reading:
-    __slots__ = ("__weakref__",)
-
-
-def reading(store: ShardStore) -> _Reading:
+def reading(store: ShardStore) -> object:
     """A token that a backward holds until it runs: while it lives, the store's rows keep their order
     (``_relayout`` moves none), as the gradient rows it maps assume. (A compiled graph keeps none: its
     backward splits by the rows as they lay, see SlabSplit.)"""
-    token = _Reading()
-    if not torch.compiler.is_compiling():
-        store.readers.add(token)
-    return token
+    return store.reading()
 
 
 class SlabView(torch.autograd.Function):

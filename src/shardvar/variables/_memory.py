@@ -1,22 +1,36 @@
 """Where shard memory lives: slabs over consecutive shards, moving shards into one, and overlaps.
 
-Pure functions over tensors' storage metadata (pointers, offsets, strides); the store decides
-when to call them.
+Functions over tensors' storage metadata (pointers, offsets, strides); the store decides when to
+call them. This module (with :mod:`._relayout`, which moves rows in place) is the only one that
+allocates slabs and re-points shards into them (``Tensor.set_``): which rows go where is the
+store's :class:`~shardvar.variables._plan.SlabPlan`, what holds them is decided here.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from .._errors import ShardvarValueError
 from .._pages import empty
-from ..layout import intersect_progressions, mod_sizes
+from ..layout import Layout, intersect_progressions, mod_sizes
 
-__all__ = ["Slab", "as_slab", "adopt", "check_disjoint", "storage_ptr", "where"]
+__all__ = [
+    "Slab",
+    "as_slab",
+    "adopt",
+    "allocate_shards",
+    "check_disjoint",
+    "empty_shards",
+    "lay_out",
+    "place",
+    "shards_over",
+    "storage_ptr",
+    "where",
+]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -136,14 +150,81 @@ def adopt(shards: list[torch.Tensor], interleaved: bool) -> bool:
     shards, else back to back); False when that is not safe."""
     if len({id(s) for s in shards}) != len(shards) or not all(_adoptable(s) for s in shards):
         return False
-    first, n = shards[0], len(shards)
-    slab = empty((sum(s.shape[0] for s in shards), *first.shape[1:]), dtype=first.dtype, device=first.device)
-    pieces = [slab[k::n] for k in range(n)] if interleaved else list(slab.split([s.shape[0] for s in shards]))
-    with torch.no_grad():
-        for s, piece in zip(shards, pieces, strict=True):
-            piece.copy_(s)
-            s.set_(slab.untyped_storage(), piece.storage_offset(), s.shape, piece.stride())
+    lay_out([(shards, interleaved)])
     return True
+
+
+def place(t: torch.Tensor, piece: torch.Tensor) -> None:
+    """Re-point ``t`` at ``piece``'s place in its memory (``t`` keeps its identity and shape)."""
+    t.set_(piece.untyped_storage(), piece.storage_offset(), t.shape, piece.stride())
+
+
+def lay_out(tables: Sequence[tuple[Sequence[torch.Tensor], bool]]) -> None:
+    """Move each table's shards (same device and dtype, split by rows) into one new allocation, table after
+    table, with their values: a table's shards back to back, or row by row where its flag says so (the
+    ``m`` shards of a mod table in logical order)."""
+    first = tables[0][0][0]
+    rows = [sum(s.shape[0] for s in shards) for shards, _ in tables]
+    slab = empty((sum(rows), *first.shape[1:]), dtype=first.dtype, device=first.device)
+    start = 0
+    with torch.no_grad():
+        for (shards, interleaved), count in zip(tables, rows, strict=True):
+            region, n = slab[start : start + count], len(shards)
+            pieces = [region[k::n] for k in range(n)] if interleaved else region.split([s.shape[0] for s in shards])
+            for s, piece in zip(shards, pieces, strict=True):
+                piece.copy_(s)
+                place(s, piece)
+            start += count
+
+
+def shards_over(slab: torch.Tensor, first: int, sizes: Sequence[int]) -> list[torch.nn.Parameter]:
+    """Parameters over ``slab``'s (``[rows, width]``) rows from ``first`` on, ``sizes`` rows each, back to back."""
+    out, width = [], slab.shape[1]
+    with torch.no_grad():
+        for size in sizes:
+            p = torch.nn.Parameter(torch.empty(0, dtype=slab.dtype, device=slab.device))
+            p.set_(slab.untyped_storage(), slab.storage_offset() + first * width, (size, width), (width, 1))
+            out.append(p)
+            first += size
+    return out
+
+
+def allocate_shards(
+    layout: Layout,
+    shape: torch.Size,
+    dtype: torch.dtype,
+    devices: Sequence[torch.device] | None,
+    owned: list[int],
+    values: torch.Tensor | Callable[[int], torch.Tensor] | None,
+    requires_grad: bool,
+) -> dict[int, torch.Tensor]:
+    """New shards ``owned`` (on ``devices[s]``, default ``values``' device or the CPU), one slab per device
+    when split along axis 0, with ``values`` copied in (the logical tensor, or ``shard -> tensor``)."""
+    default = values.device if isinstance(values, torch.Tensor) else torch.device("cpu")
+    at = {s: devices[s] if devices else default for s in owned}
+    parts = layout.split(values) if isinstance(values, torch.Tensor) else None
+    shards: dict[int, torch.Tensor] = {}
+    for device in dict.fromkeys(at.values()):
+        members = [s for s in owned if at[s] == device]
+        for s, piece in zip(members, empty_shards(layout, shape, dtype, device, members), strict=True):
+            if parts is not None or callable(values):
+                with torch.no_grad():
+                    piece.copy_(parts[s] if parts is not None else values(s))
+            shards[s] = torch.nn.Parameter(piece, requires_grad=True) if requires_grad else piece
+    return shards
+
+
+def empty_shards(
+    layout: Layout, shape: torch.Size, dtype: torch.dtype, device: torch.device, members: list[int]
+) -> list[torch.Tensor]:
+    """New uninitialised shards ``members`` of ``layout``: along axis 0 consecutive pieces of one slab."""
+    # Each piece contiguous (torch's sparse ``add_`` fails on strided leaf parameters: see _relayout).
+    # Along another axis a slab would buy nothing (rows are not contiguous), so each shard is its own tensor.
+    if layout.axis != 0:
+        return [empty(layout.shard_shape(shape, s), dtype=dtype, device=device) for s in members]
+    rows = [layout.sizes[s] for s in members]
+    slab = empty((sum(rows), *shape[1:]), dtype=dtype, device=device)
+    return list(slab.split(rows)) if members else []
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

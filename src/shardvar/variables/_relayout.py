@@ -10,7 +10,7 @@ lays it back when it lets go (see :mod:`shardvar.optim._fused`).
 The rows move in place with a small buffer (1/64 of the table or less): a table-sized copy would
 raise the peak memory of building and training by the table's size.
 
-Nothing moves while a backward that maps the rows as they lie is pending (``ShardStore.readers``:
+Nothing moves while a backward that maps the rows as they lie is pending (``ShardStore.reading``:
 tokens its Function holds until it runs). A table someone else's tensor views is not laid row by
 row, and is laid back into new memory, leaving that tensor the old.
 """
@@ -22,7 +22,8 @@ import math
 import torch
 
 from .._pages import empty
-from ._memory import _PLAIN, _base_use, _use_count, storage_ptr
+from ._memory import _PLAIN, _base_use, _use_count, place, storage_ptr
+from ._plan import RowOrder
 from ._store import ShardStore
 
 __all__ = ["interleave", "deinterleave", "transpose_rows_"]
@@ -82,7 +83,7 @@ def transpose_rows_(x: torch.Tensor, a: int, b: int, inverse: bool = False) -> b
     return True
 
 
-def _eligible(store: ShardStore, order: str) -> bool:
+def _eligible(store: ShardStore, order: RowOrder) -> bool:
     layout, shards = store.layout, list(store.local_shards().values())
     n = layout.num_shards
     return (
@@ -95,10 +96,10 @@ def _eligible(store: ShardStore, order: str) -> bool:
         and store.is_complete
         and store.full_slab is not None
         and store.width > 0
-        and store.row_order == order
+        and store.row_order is order
         and all(type(t) in _PLAIN for t in shards)
         and _blocks(n, layout.num_rows // n) is not None
-        and not any(s.readers for s in (store, *store.companions))  # a pending backward maps rows as they lie
+        and not any(s.rows_held for s in (store, *store.companions))  # a pending backward maps rows as they lie
     )
 
 
@@ -137,9 +138,8 @@ def _relay(store: ShardStore, extra: list[torch.Tensor], interleaved: bool, fres
         whole = slab.view(rows, *store.row_shape)
         pieces = [whole[s::n] for s in range(n)] if interleaved else list(whole.split(rows // n))
         for s, t in store.local_shards().items():
-            t.set_(slab.untyped_storage(), pieces[s].storage_offset(), t.shape, pieces[s].stride())
-    store.interleaved = interleaved
-    store.refresh()
+            place(t, pieces[s])
+    store.moved_rows(interleaved)
     return True
 
 
@@ -154,7 +154,7 @@ def interleave(store: ShardStore, extra: list[torch.Tensor] = ()) -> bool:
     table's optimizer state, one row per table row) alike; False, changing nothing, when the table
     is not a complete local mod table of equal shards lying back to back in one slab, or when a
     tensor other than shardvar's own holds its memory."""
-    ready = _eligible(store, "storage") and _unshared(store) and all(_alone(t) for t in extra)
+    ready = _eligible(store, RowOrder.STORAGE) and _unshared(store) and all(_alone(t) for t in extra)
     return ready and _relay(store, list(extra), True)
 
 
@@ -163,6 +163,6 @@ def deinterleave(store: ShardStore, extra: list[torch.Tensor] = ()) -> bool:
     Where another tensor views their memory, they move into new memory (as after ``module.to()``): that
     tensor keeps its values, and torch's optimizers can update the shards. False, changing nothing,
     while a backward that maps the rows as they lie is pending."""
-    if not _eligible(store, "logical") or math.prod(store.local_shards()[0].stride()[:1]) == store.width:
+    if not _eligible(store, RowOrder.LOGICAL) or math.prod(store.local_shards()[0].stride()[:1]) == store.width:
         return False
     return _relay(store, list(extra), False, fresh=not _unshared(store))

@@ -144,9 +144,7 @@ class ShardedVariable(TensorMethods, nn.Module):
         super()._apply(fn, recurse)
         store, shards = self._store, self._registered()
         if any(store.local_shards().get(s) is not t for s, t in shards.items()):
-            exchange, store = store.exchange, ShardStore(store.layout, store.shape, shards)
-            store.exchange = exchange
-            self._store = store
+            store = self._store = store.with_shards(shards)
         store.refresh()
         return self
 

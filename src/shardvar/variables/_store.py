@@ -13,7 +13,6 @@ and values, only their memory moves (``Tensor.set_``), so the fast path is the o
 
 from __future__ import annotations
 
-import itertools
 import math
 import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -23,13 +22,14 @@ from typing import Any
 import torch
 
 from .._errors import ShardvarDTypeError, ShardvarValueError
-from .._pages import empty, zeros_like
+from .._pages import zeros_like
 from .._recycle import Recycler
 from .._validate import check_devices
 from ..layout import Layout
 from ._distinct import coalesce, sparse_rows
-from ._group_rows import locate, member_major
-from ._memory import adopt, as_slab, check_disjoint, where
+from ._hooks import KEEP, Reading, RowSink, RowSource, check_attached, renamed
+from ._memory import adopt, allocate_shards, as_slab, check_disjoint, where
+from ._plan import GroupPlan, RowOrder, SlabPlan
 
 __all__ = ["Group", "ShardStore", "rows_2d"]
 
@@ -42,14 +42,17 @@ def rows_2d(shard: torch.Tensor, axis: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Group:
-    """Local shards read together: one slab on one device, or a single shard on its own."""
+    """Local shards read together: where their rows lie (``plan``) and the memory holding them."""
 
-    device: torch.device
-    members: tuple[int, ...]  # shard indices, in the order their rows lie in the group
-    starts: tuple[int, ...]  # first row of each member within the group
-    steps: tuple[int, ...]  # and the distance between its rows (1, or n for mod shards interleaved)
-    rows: int
+    plan: GroupPlan
     slab: torch.Tensor | None  # [rows, width] over the members' memory; None: a lone shard read as is
+
+    # The plan's numbers, read through (the callers' names for them).
+    device = property(lambda self: self.plan.device)
+    members = property(lambda self: self.plan.members)
+    starts = property(lambda self: self.plan.starts)
+    steps = property(lambda self: self.plan.steps)
+    rows = property(lambda self: self.plan.rows)
 
 
 def _check_shards(shards: Mapping[int, torch.Tensor], layout: Layout, shape: torch.Size) -> torch.dtype:
@@ -88,16 +91,16 @@ class ShardStore:
         self._plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in self._shards.values())
         self.dtype = _check_shards(self._shards, layout, self.shape) if self._shards else (dtype or torch.float32)
         self.adopt = adopt
-        self.exchange: Any = None  # set by the distributed layer: fetches rows owned elsewhere
-        # Set by a fused optimizer: ``sink(full slab rows, their summed gradient)`` updates those rows
-        # in backward; a collection's sparse backward hands a table's rows to it, not to .grad.
-        self.sink: Any = None
-        # Set while a fused optimizer keeps this mod table's shards row by row in logical order (its
-        # state in that order too): the shards are put so again wherever they are moved.
-        self.interleaved = False
-        self.companions: tuple[ShardStore, ...] = ()  # other stores over the same memory (a collection's)
+        # What the layers above attach (see attach and _hooks): rows owned elsewhere, a fused update, and
+        # the other stores over the same memory.
+        self._exchange: RowSource | None = None
+        self._sink: RowSink | None = None
+        self._companions: tuple[ShardStore, ...] = ()
+        # While a fused optimizer keeps this mod table's shards row by row in logical order (its state in
+        # that order too): the shards are put so again wherever they are moved. See moved_rows.
+        self._interleaved = False
         # Tokens of pending backwards that map gradient rows by the rows' current order: rows stay put meanwhile.
-        self.readers: weakref.WeakSet = weakref.WeakSet()
+        self._readers: weakref.WeakSet = weakref.WeakSet()
         self._build()
 
     # -- construction ---------------------------------------------------------------------------
@@ -121,22 +124,14 @@ class ShardStore:
         shape = torch.Size(layout.check_shape(shape))
         owned = list(range(layout.num_shards)) if owned is None else sorted(owned)
         devs = check_devices(devices, layout.num_shards) if devices is not None else None
-        default = values.device if isinstance(values, torch.Tensor) else torch.device("cpu")
-        where = {s: devs[s] if devs else default for s in owned}
-        parts = layout.split(values) if isinstance(values, torch.Tensor) else None
-        shards: dict[int, torch.Tensor] = {}
-        for device in dict.fromkeys(where.values()):
-            members = [s for s in owned if where[s] == device]
-            for s, piece in zip(members, _empty_shards(layout, shape, dtype, device, members), strict=True):
-                if parts is not None or callable(values):
-                    with torch.no_grad():
-                        piece.copy_(parts[s] if parts is not None else values(s))
-                shards[s] = torch.nn.Parameter(piece, requires_grad=True) if requires_grad else piece
-        return cls(layout, shape, shards, dtype=dtype)
+        return cls(
+            layout, shape, allocate_shards(layout, shape, dtype, devs, owned, values, requires_grad), dtype=dtype
+        )
 
     def _build(self) -> None:
-        """Group the local shards by device into slabs (adopting shards into one when safe)."""
+        """Group the local shards by device into slabs (adopting shards into one when safe), and plan their rows."""
         groups: list[Group] = []
+        sizes = self.layout.sizes
         by_device: dict[torch.device, list[int]] = {}
         for s, t in self._shards.items():
             by_device.setdefault(t.device, []).append(s)
@@ -151,36 +146,87 @@ class ShardStore:
                 found = as_slab(tensors)
             if found is not None:
                 slab, starts, steps = found
-                groups.append(Group(device, tuple(members), starts, steps, slab.shape[0], slab))
+                plan = GroupPlan(device, tuple(members), starts, steps, tuple(sizes[s] for s in members), True)
+                groups.append(Group(plan, slab))
                 continue
             for s in members:
-                groups.append(Group(device, (s,), (0,), (1,), self.layout.sizes[s], None))
+                groups.append(Group(GroupPlan(device, (s,), (0,), (1,), (sizes[s],), False), None))
         self.groups = tuple(groups)
+        self.plan = SlabPlan(self.layout, tuple(g.plan for g in groups))
         # Read on every lookup; they change only here (the shards and layout are fixed at __init__).
-        one = self.groups[0] if len(self.groups) == 1 and self.is_complete else None
-        self._full_slab = one.slab if one is not None else None
-        # How a logical id finds its full-slab row: it is the row, the layout's storage row (shards back
-        # to back in order), or else found by its shard's run in the slab (``route``).
-        self._order = _order(one, self.layout) if self._full_slab is not None else None
-        self._logical_slab = self._order == "logical"
-        # Each member's first row with the members back to back in member order (member-major keys).
-        self._firsts = tuple(
-            (0, *itertools.accumulate(self.layout.sizes[s] for s in g.members[:-1])) for g in self.groups
-        )
+        # How a logical id finds its full-slab row: the plan's row order (None: no full slab).
+        self._order = self.plan.order
+        self._full_slab = groups[0].slab if self._order is not None else None
+        self._logical_slab = self._order is RowOrder.LOGICAL
         self._signature = self._current_signature()
-        self._routes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.recycler = Recycler()  # per-step buffers of lookups and their gradients
 
     def __getstate__(self) -> dict[str, Any]:
         # A pending backward's tokens and a fused optimizer's sink belong to this process's objects: a
         # copy (pickled, or deep-copied with its module) has neither (the sink would update this table).
-        return {**self.__dict__, "readers": None, "sink": None}
+        return {**self.__dict__, "_readers": None, "_sink": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, readers=weakref.WeakSet())
+        self.__dict__.update(renamed(state), _readers=weakref.WeakSet())
 
     def _interleave(self, members: list[int]) -> bool:
-        return self.interleaved and len(members) == self.layout.num_shards
+        return self._interleaved and len(members) == self.layout.num_shards
+
+    # -- what the layers above attach, and the store's own state about its rows ------------------
+    def attach(self, *, exchange: Any = KEEP, sink: Any = KEEP, companions: Any = KEEP) -> ShardStore:
+        """Attach a :class:`RowSource` (``exchange``), a :class:`RowSink` (``sink``) or the other stores over
+        this one's memory (``companions``); None (or ``()``) detaches, an argument left out stays as it is.
+        All are checked before any is attached."""
+        found = check_attached(self, exchange, sink, companions)
+        for name, value in found.items():
+            setattr(self, "_" + name, value)
+        return self
+
+    @property
+    def exchange(self) -> RowSource | None:
+        """The attached RowSource: fetches the rows other processes hold (None: every row is here)."""
+        return self._exchange
+
+    @property
+    def sink(self) -> RowSink | None:
+        """The attached RowSink: a fused optimizer's update of the full slab's rows, in backward."""
+        return self._sink
+
+    @property
+    def companions(self) -> tuple[ShardStore, ...]:
+        """The other stores over this one's memory (a collection's group): rows move only if none reads."""
+        return self._companions
+
+    @property
+    def interleaved(self) -> bool:
+        """Whether a fused optimizer keeps this mod table's shards row by row in logical order."""
+        return self._interleaved
+
+    def with_shards(self, shards: Mapping[int, torch.Tensor], *, dtype: torch.dtype | None = None) -> ShardStore:
+        """A store of this layout and shape over other ``shards`` (a module's replaced ones), with this
+        one's exchange: the rows it does not hold are still found where they live."""
+        store = ShardStore(self.layout, self.shape, shards, dtype=dtype)
+        store._exchange = self._exchange  # checked when attached here
+        return store
+
+    def reading(self) -> object:
+        """A token that a pending backward holds: while it lives, the rows stay where they lie (as the
+        gradient rows it maps assume). A compiled graph gets one that holds nothing."""
+        token = Reading()
+        if not torch.compiler.is_compiling():
+            self._readers.add(token)
+        return token
+
+    @property
+    def rows_held(self) -> bool:
+        """Whether a pending backward (a live :meth:`reading` token) keeps the rows where they lie."""
+        return bool(self._readers)
+
+    def moved_rows(self, interleaved: bool) -> None:
+        """Note that the rows were moved in place to lie row by row in logical order (``interleaved``) or
+        back to back (``_relayout``), and rebuild the slabs over them."""
+        self._interleaved = interleaved
+        self.refresh()
 
     def _current_signature(self) -> list:
         # Where each shard's data lives: it moves with param.data = ..., module.to(...), set_(...).
@@ -229,17 +275,19 @@ class ShardStore:
         return self._logical_slab
 
     @property
-    def row_order(self) -> str | None:
-        """How the full slab holds the logical rows: "logical", "storage" or "runs" (None: no full slab)."""
+    def row_order(self) -> RowOrder | None:
+        """How the full slab holds the logical rows (None: no full slab)."""
         return self._order
+
+    @property
+    def rows_as_kept(self) -> bool:
+        """Whether the full slab's rows lie as this store's lookups read them, kept row by row
+        (``interleaved``) or back to back: False when there is no full slab or its rows must move."""
+        return self._order is not None and self._order.as_kept(self.interleaved)
 
     def slab_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The full slab's row of each valid logical id."""
-        if self._logical_slab:
-            return ids
-        if self._order == "storage":
-            return self.layout.strategy.storage_rows(self.layout.sizes, ids)
-        return self.route(ids)[1]
+        return ids if self._logical_slab else self._order.slab_rows(self.plan, ids)
 
     @property
     def nbytes(self) -> int:
@@ -247,19 +295,7 @@ class ShardStore:
 
     def route(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(group index, row within the group) of each valid logical id held locally (-1: not local)."""
-        device = ids.device
-        if device not in self._routes:
-            n = self.layout.num_shards
-            group_of = torch.full((n,), -1, dtype=torch.int64)
-            start, step = torch.zeros(n, dtype=torch.int64), torch.ones(n, dtype=torch.int64)
-            for g, group in enumerate(self.groups):
-                for s, first, k in zip(group.members, group.starts, group.steps, strict=True):
-                    group_of[s], start[s], step[s] = g, first, k
-            self._routes[device] = (group_of.to(device), start.to(device), step.to(device))
-        group_of, start, step = self._routes[device]
-        shard, row = self.layout.strategy.locate(self.layout.sizes, ids)
-        # index_select: several times faster than tensor indexing for a gather along one dimension.
-        return group_of.index_select(0, shard), start.index_select(0, shard).addcmul_(step.index_select(0, shard), row)
+        return self.plan.route(ids)
 
     def group_rows(self, g: int) -> torch.Tensor:
         """Group ``g``'s rows as ``[rows, width]`` (its slab, or its lone shard reshaped)."""
@@ -272,13 +308,10 @@ class ShardStore:
     def split_grad(self, g: int, grad: torch.Tensor, group: Group | None = None) -> dict[int, torch.Tensor]:
         """Group ``g``'s dense ``[rows, width]`` gradient as one gradient per member shard (views); ``group``:
         its rows as they lay when the gradient's rows were read, if they have moved since."""
-        group = self.groups[g] if group is None else group
-        out = {}
-        for s, first, step in zip(group.members, group.starts, group.steps, strict=True):
-            size = self.layout.sizes[s]
-            moved = (size, *_rest(self.shape, self.layout.axis))
-            piece = grad[first : first + step * (size - 1) + 1 : step] if size else grad[first:first]
-            piece = piece.view(moved)
+        plan = (self.groups[g] if group is None else group).plan
+        out, rest = {}, _rest(self.shape, self.layout.axis)
+        for k, s in enumerate(plan.members):
+            piece = grad[plan.member_slice(k)].view(plan.sizes[k], *rest)
             out[s] = piece if self.layout.axis == 0 else piece.movedim(0, self.layout.axis)
         return out
 
@@ -303,37 +336,32 @@ class ShardStore:
         optimizers most of their own ``coalesce()`` (torch's AccumulateGrad drops the coalesced
         flag, but re-sorting distinct sorted rows is cheap: SparseAdam's step 0.7-0.95x torch's).
         """
-        group = self.groups[g] if group is None else group  # as in split_grad
-        sizes = [self.layout.sizes[s] for s in group.members]
-        interleaved = any(st > 1 for st in group.steps)
+        plan = (self.groups[g] if group is None else group).plan  # as in split_grad
+        interleaved = plan.interleaved
         if values.is_floating_point() and rows.numel() and (interleaved or not coalesced):
             # Keyed member by member (each member's rows back to back), so each member is one run.
-            key = member_major(group.starts, group.steps, sizes, rows)
-            rows, values = coalesce(key, values, group.rows, (self.recycler, ("sparse grad", g)))
+            key = plan.member_major(rows)
+            rows, values = coalesce(key, values, plan.rows, (self.recycler, ("sparse grad", g)))
             coalesced, interleaved = True, False
-        if len(group.members) == 1:
-            s = group.members[0]
-            return {s: sparse_rows(rows, values, self.layout.sizes[s], coalesced)}
+        if len(plan.members) == 1:
+            return {plan.members[0]: sparse_rows(rows, values, plan.sizes[0], coalesced)}
         if coalesced and not interleaved:
-            return self._cut_runs(g, rows, values)
-        return self._split_unsorted(group, rows, values)
+            return self._cut_runs(plan, rows, values)
+        return self._split_unsorted(plan, rows, values)
 
-    def _cut_runs(self, g: int, keys: torch.Tensor, values: torch.Tensor) -> dict[int, torch.Tensor]:
+    def _cut_runs(self, plan: GroupPlan, keys: torch.Tensor, values: torch.Tensor) -> dict[int, torch.Tensor]:
         """Coalesced gradients per member from distinct ascending member-major ``keys``: views."""
-        group = self.groups[g]
-        firsts = torch.tensor(self._firsts[g], dtype=keys.dtype, device=keys.device)
-        cuts = torch.searchsorted(keys, firsts)
-        counts = torch.diff(cuts, append=cuts.new_tensor([keys.numel()]))
-        local = keys - firsts.repeat_interleave(counts, output_size=keys.numel())
-        sizes = counts.tolist()
+        counts, local = plan.cut(keys)
         return {
-            s: sparse_rows(rows_s, values_s, self.layout.sizes[s], True)
-            for s, rows_s, values_s in zip(group.members, local.split(sizes), values.split(sizes), strict=True)
+            s: sparse_rows(rows_s, values_s, size, True)
+            for s, size, rows_s, values_s in zip(
+                plan.members, plan.sizes, local.split(counts), values.split(counts), strict=True
+            )
         }
 
-    def _split_unsorted(self, group: Group, rows: torch.Tensor, values: torch.Tensor) -> dict[int, torch.Tensor]:
+    def _split_unsorted(self, group: GroupPlan, rows: torch.Tensor, values: torch.Tensor) -> dict[int, torch.Tensor]:
         """Uncoalesced gradients per member (a dtype ``coalesce`` does not sum): one reorder, then views."""
-        member, local = locate(group.starts, group.steps, [self.layout.sizes[s] for s in group.members], rows)
+        member, local = group.locate(rows)
         # A stable sort of the member index, in the narrowest dtype that holds it: torch sorts
         # small integer keys by radix, several times faster than sorting the rows themselves.
         narrow = torch.uint8 if len(group.members) <= 256 else torch.int32
@@ -365,34 +393,5 @@ class ShardStore:
         )
 
 
-def _order(group: Group, layout: Layout) -> str:
-    """How the logical rows lie in a complete store's one group: "logical" (its rows), "storage"
-    (the shards back to back in shard order: the layout's storage rows) or "runs" (anything else)."""
-    sizes, back_to_back = layout.sizes, all(step == 1 for step in group.steps)
-    if back_to_back and list(group.members) == sorted(group.members):  # the common case, decided cheaply
-        one = layout.contiguous or layout.num_shards == 1 or all(sizes[s] <= 1 for s in group.members)
-        return "logical" if one else "storage"
-    spans = [layout.strategy.progression(sizes, s) for s in group.members]
-    if all(
-        sizes[s] == 0 or (a, b if sizes[s] > 1 else 1) == (start, step if sizes[s] > 1 else 1)
-        for s, (a, b), start, step in zip(group.members, spans, group.starts, group.steps, strict=True)
-    ):
-        return "logical"
-    return "runs"
-
-
 def _rest(shape: Sequence[int], axis: int) -> tuple[int, ...]:
     return (*shape[:axis], *shape[axis + 1 :])
-
-
-def _empty_shards(
-    layout: Layout, shape: torch.Size, dtype: torch.dtype, device: torch.device, members: list[int]
-) -> list[torch.Tensor]:
-    # Along axis 0 the shards are consecutive pieces of one slab, each contiguous (torch's sparse
-    # ``add_`` fails on strided leaf parameters: see _relayout). Along another axis a slab would buy
-    # nothing (rows are not contiguous), so each shard is its own tensor.
-    if layout.axis != 0:
-        return [empty(layout.shard_shape(shape, s), dtype=dtype, device=device) for s in members]
-    rows = [layout.sizes[s] for s in members]
-    slab = empty((sum(rows), *shape[1:]), dtype=dtype, device=device)
-    return list(slab.split(rows)) if members else []

@@ -1,0 +1,99 @@
+"""Quantized twins of the distributed collections: each rank packs its own shards, lookups go through
+the same exchange (the packed rows travel as bytes) and the float collection's own lookup code.
+
+``shardvar.quantize`` learns these types here (this layer is above the quantized one, which cannot
+import it): :func:`~shardvar.quantized.register` adds them to the one list of what it accepts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._errors import ShardvarTypeError
+from ..layout import Layout
+from ..nn import KeyedJagged
+from ..nn._collection import lookup_tables
+from ..nn._collection_build import FeatureMap
+from ..quantized import QuantizedEmbedding, QuantizedEmbeddingBag, register
+from ..quantized._quantize import quantize_table
+from ..variables._packed import RowFormat
+from ._collection import DistributedEmbeddingBagCollection, DistributedEmbeddingCollection, lookup_collection
+
+__all__ = ["QuantizedDistributedEmbeddingBagCollection", "QuantizedDistributedEmbeddingCollection"]
+
+
+class _PackedReplicas(nn.Module):
+    """The replicated tables packed, whole on every rank: looked up locally, by the local collection's code."""
+
+    def __init__(self, tables: dict[str, nn.Module]) -> None:
+        super().__init__()
+        self.tables = nn.ModuleDict(tables)
+        self._groups = [([n], None) for n in tables]
+
+    def forward(self, features: dict, offsets: dict, weights: dict, table_of: dict[str, str]) -> dict:
+        mine = [f for f in features if table_of[f] in self.tables]
+        if not mine:
+            return {}
+        pick = lambda given: {f: given[f] for f in mine if f in given}  # noqa: E731
+        # The inputs are already split by output key: each key is looked up as a feature of its own.
+        served = FeatureMap({k: table_of[k] for k in mine}, {k: (k,) for k in mine})
+        return lookup_tables(self.tables, self._groups, pick(features), pick(offsets), pick(weights), served)
+
+
+def _replica(weight: torch.Tensor, mode: str | None, fmt: RowFormat) -> nn.Module:
+    rows, dim = weight.shape
+    args = (rows, dim, Layout.div(rows, 1), fmt, {0: fmt.pack(weight.detach())})
+    return QuantizedEmbedding(*args) if mode is None else QuantizedEmbeddingBag(*args, mode=mode)
+
+
+class QuantizedDistributedEmbeddingBagCollection(nn.Module):
+    """A ``DistributedEmbeddingBagCollection``'s forward over packed tables (inference only; collective)."""
+
+    def __init__(self, source: DistributedEmbeddingBagCollection, fmt: RowFormat) -> None:
+        super().__init__()
+        for attr in ("configs", "served", "feature_tables", "layouts", "groups", "starts", "pooled"):
+            setattr(self, attr, getattr(source, attr))
+        for name, table in source.replicas.embedding_bags.items():  # every table checked before any is packed
+            fmt.check(table.weight.dtype, table.weight.shape[1], f"table {name!r}")
+        for bag, names in zip(source.bags, source.groups, strict=True):
+            fmt.check(bag.store.dtype, bag.embedding_dim, f"tables {names}")
+        mode = lambda n: self.configs[n].mode if self.pooled else None  # noqa: E731
+        replicas = {n: _replica(t.weight, mode(n), fmt) for n, t in source.replicas.embedding_bags.items()}
+        self.replicas = _PackedReplicas(replicas)
+        self.bags = nn.ModuleList([quantize_table(bag, fmt) for bag in source.bags])
+        self.eval()
+
+    # DistributedEmbeddingBagCollection.forward's signature (`duplicates` pairs them): a drop-in, and
+    # the lookup is that collection's own `lookup_collection`.
+    def forward(
+        self,
+        features: dict[str, Any] | KeyedJagged,
+        offsets: dict[str, Any] | None = None,
+        per_sample_weights: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        return lookup_collection(self, self.bags, self.replicas, features, offsets, per_sample_weights)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this rank's packed rows (its shards and the replicated tables), scale and bias included."""
+        return sum(t.nbytes for t in [*self.bags, *self.replicas.tables.values()])
+
+    def sharded_variables(self) -> dict[str, Any]:
+        raise ShardvarTypeError(
+            f"a {type(self).__name__} is not checkpointed: save the float collection and quantize the "
+            "checkpoint (shardvar.quantize(path, dtype, dst=...)), or quantize the loaded float collection"
+        )
+
+
+class QuantizedDistributedEmbeddingCollection(QuantizedDistributedEmbeddingBagCollection):
+    """A ``DistributedEmbeddingCollection``'s forward (each feature's rows) over packed tables."""
+
+    def forward(self, features: dict[str, Any] | KeyedJagged, offsets: dict[str, Any] | None = None) -> dict[str, Any]:
+        return lookup_collection(self, self.bags, self.replicas, features, offsets, None)
+
+
+register(DistributedEmbeddingBagCollection, QuantizedDistributedEmbeddingBagCollection)
+register(DistributedEmbeddingCollection, QuantizedDistributedEmbeddingCollection)
