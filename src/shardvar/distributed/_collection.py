@@ -19,13 +19,14 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from .._errors import ShardvarDistributedError, ShardvarTypeError, ShardvarValueError
+from .._errors import ShardvarDistributedError, ShardvarError, ShardvarTypeError, ShardvarValueError
 from ..layout import Layout
 from ..nn import KeyedJagged, TableConfig
 from ..nn._collection import check_tables, feature_map, pack, split_inputs
 from ..nn._jagged import jagged_split
 from ..variables import RowInitializer, ShardedVariable, ShardStore
 from ..variables._create import to_layout
+from ._agree import agree, refuse
 from ._comm import DEFAULT_TIMEOUT, Comm
 from ._module import DistributedEmbedding, DistributedEmbeddingBag
 from ._placement import plan_collection
@@ -141,7 +142,7 @@ class DistributedEmbeddingBagCollection(nn.Module):
         init = initializer or RowInitializer()
         first = dict(zip(tables, [0, *itertools.accumulate(c.num_embeddings for c in tables.values())], strict=False))
         replicated = {n: c for n, c in tables.items() if placement.get(n) == "replicate"}
-        comm = Comm(group, timeout)
+        comm = self.comm = Comm(group, timeout)
         self.replicas = Replicas(replicated, sparse, init, {n: first[n] for n in replicated}, comm, self.pooled)
         self.add_module(self.prefix, self.replicas.embedding_bags)  # the replicated tables' parameters
         self.layouts: dict[str, Layout] = {}
@@ -203,22 +204,39 @@ class DistributedEmbeddingBagCollection(nn.Module):
         """Bags per feature. Collective: every rank calls it, with every feature of every table.
 
         A table's features go in one request, so an id two of them hold is sent and fetched once.
+        Every input is checked first, and a refusal is every rank's (:func:`._agree.agree`, in the
+        first group's split sizes; in an all_reduce of one int when every table is replicated).
         """
-        table_of = self.feature_tables
-        modes = {f: self.configs[t].mode if self.pooled else None for f, t in table_of.items()}
-        features, offsets, weights = split_inputs(features, offsets, per_sample_weights, modes)
-        if set(features) != set(modes):
-            raise ShardvarValueError(f"every rank gives every feature {sorted(modes)}; got {sorted(features)}")
-        out: dict[str, torch.Tensor] = self.replicas(features, offsets, weights, table_of)
-        for names, bag in zip(self.groups, self.bags, strict=True):
-            present = [f for f in features if table_of[f] in names]
-            packed = pack(present, table_of, self.layouts, self.starts, bag.store.dtype, features, offsets, weights)
+        try:
+            features, replicated, groups = self._pack(features, offsets, per_sample_weights)
+        except ShardvarError as e:
+            refuse(self.comm, e, carries_counts=bool(self.bags))  # in place of the first collective
+        if not self.bags and self.comm.world > 1:  # no collective in forward to carry the verdicts
+            agree(self.comm, None)
+        out: dict[str, torch.Tensor] = self.replicas(replicated)
+        for bag, (present, packed) in zip(self.bags, groups, strict=True):
             rows, offs, psw, counts = packed
             if not self.pooled:
                 out.update(jagged_split(bag(rows), offs, counts, present))
                 continue
             out.update(zip(present, bag(rows, offs, per_sample_weights=psw).split(counts), strict=True))
         return {f: out[f] for f in features}
+
+    def _pack(self, features: Any, offsets: Any, per_sample_weights: Any) -> tuple[dict, list, list]:
+        """(ids by feature, the replicated groups' packed inputs, each exchanged group's (features,
+        packed inputs)): every rule of the local collection checked, no collective run."""
+        table_of = self.feature_tables
+        modes = {f: self.configs[t].mode if self.pooled else None for f, t in table_of.items()}
+        features, offsets, weights = split_inputs(features, offsets, per_sample_weights, modes)
+        if set(features) != set(modes):
+            raise ShardvarValueError(f"every rank gives every feature {sorted(modes)}; got {sorted(features)}")
+        replicated = self.replicas.pack(features, offsets, weights, table_of)
+        groups = []
+        for names, bag in zip(self.groups, self.bags, strict=True):
+            present = [f for f in features if table_of[f] in names]
+            packed = pack(present, table_of, self.layouts, self.starts, bag.store.dtype, features, offsets, weights)
+            groups.append((present, packed))
+        return features, replicated, groups
 
 
 class DistributedEmbeddingCollection(DistributedEmbeddingBagCollection):
