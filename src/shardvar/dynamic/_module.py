@@ -160,9 +160,7 @@ class _DynamicTable(nn.Module):
     def evict(self, ids: Any = None, *, count: int | None = None, older_than: int | None = None) -> torch.Tensor:
         """Free rows on demand: of ``ids``, of the ``count`` the policy ranks lowest, or of ids unseen
         for more than ``older_than`` steps (give exactly one). Returns the evicted ids."""
-        given = [n for n, v in (("ids", ids), ("count", count), ("older_than", older_than)) if v is not None]
-        if len(given) != 1:
-            raise ShardvarValueError(f"give exactly one of ids, count, older_than; got {given or 'none'}")
+        one_of(ids, count, older_than)
         meta, held = self.slots.meta, self.slots.held()
         if ids is not None:
             slot = self.slots.find(as_keys(ids, meta.device).reshape(-1))[0]
@@ -237,6 +235,13 @@ class _DynamicTable(nn.Module):
         admission = f", admission={self.admission}" if self.admission is not None else ""
         shape = f"{self.embedding_dim}, capacity={self.capacity}, num_shards={self.num_shards}"
         return f"{shape}, eviction={self.eviction}{admission}"
+
+
+def one_of(ids: Any, count: Any, older_than: Any) -> None:
+    """What ``evict`` takes: exactly one of ``ids``, ``count`` and ``older_than``."""
+    given = [n for n, v in (("ids", ids), ("count", count), ("older_than", older_than)) if v is not None]
+    if len(given) != 1:
+        raise ShardvarValueError(f"give exactly one of ids, count, older_than; got {given or 'none'}")
 
 
 class DynamicEmbedding(_DynamicTable):

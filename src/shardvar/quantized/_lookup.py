@@ -20,23 +20,18 @@ import torch.nn.functional as F
 from .._validate import check_choice
 from ..layout import as_ids, check_ids
 from ..variables import ShardStore
-from ..variables._functional import BAG_MODES, _check_bag, _check_weights, gather_local
+from ..variables._functional import BAG_MODES, _check_bag, _check_weights, checked, gather_local, spread
 from ..variables._packed import RowFormat
 
 __all__ = ["bag", "rows"]
-
-
-def _distributed(store: ShardStore) -> bool:
-    ex = store.exchange
-    return ex is not None and ex.world > 1
 
 
 def _ids(store: ShardStore, ids: Any) -> torch.Tensor:
     t = as_ids(ids)
     # A slab in logical row order is indexed by the ids themselves, and torch's kernels refuse an
     # index outside it (``_clear_errors`` names the bad id then): no extra pass over the ids. A
-    # distributed lookup checks every rank's ids in its exchange.
-    if not _distributed(store) and not store.logical_slab:
+    # distributed lookup checks them before its exchange (its caller agrees on the verdict: checked).
+    if spread(store) or not store.logical_slab:
         check_ids(t, store.layout.num_rows)
     return t
 
@@ -47,7 +42,7 @@ def _clear_errors(store: ShardStore, ids: torch.Tensor) -> Iterator[None]:
     try:
         yield
     except (RuntimeError, IndexError):
-        if not _distributed(store):
+        if not spread(store):
             check_ids(ids, store.layout.num_rows)
         raise
 
@@ -55,11 +50,11 @@ def _clear_errors(store: ShardStore, ids: torch.Tensor) -> Iterator[None]:
 def _source(store: ShardStore, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed rows, the row of each id among them): the whole slab, or the fetched distinct rows."""
     slab = store.full_slab
-    if slab is not None and not _distributed(store):
+    if slab is not None and not spread(store):
         return slab, store.slab_rows(ids)
     unique, inverse = torch.unique(ids, return_inverse=True)
     with torch.no_grad():  # packed bytes carry no gradient
-        if _distributed(store):
+        if spread(store):
             fetched = store.exchange.rows(store, unique, sparse=False, max_norm=None, norm_type=2.0)
         else:
             fetched = gather_local(store, unique, unique.device)
@@ -96,11 +91,16 @@ def bag(
     padding_idx: int | None = None,
     include_last_offset: bool = False,
 ) -> torch.Tensor:
-    """``F.embedding_bag`` over the dequantized table, computed from the packed rows; checked first."""
-    check_choice(mode, "mode", BAG_MODES)
-    ids = _ids(store, ids)
-    offsets = _check_bag(ids, offsets, include_last_offset)
-    weights = _check_weights(per_sample_weights, ids, mode, torch.float32)
+    """``F.embedding_bag`` over the dequantized table, computed from the packed rows; checked first
+    (on every rank of a distributed table: a refusal is every rank's, see ``checked``)."""
+
+    def check() -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        check_choice(mode, "mode", BAG_MODES)
+        checked_ids = _ids(store, ids)
+        bag_offsets = _check_bag(checked_ids, offsets, include_last_offset)
+        return checked_ids, bag_offsets, _check_weights(per_sample_weights, checked_ids, mode, torch.float32)
+
+    ids, offsets, weights = checked(store, check)
     if offsets is None:  # [bags, ids per bag]
         offsets = torch.arange(ids.shape[0], device=ids.device) * ids.shape[1]
         include_last_offset = False
@@ -122,7 +122,7 @@ def bag(
 
 def rows(store: ShardStore, fmt: RowFormat, ids: Any, dim: int) -> torch.Tensor:
     """Rows ``ids`` (any shape) dequantized: shape ``ids.shape + [dim]``."""
-    ids = _ids(store, ids)
+    ids = checked(store, lambda: _ids(store, ids))
     flat = ids.reshape(-1)
     with _clear_errors(store, ids):
         packed, at = _source(store, flat)
