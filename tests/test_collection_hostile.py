@@ -234,8 +234,8 @@ def test_any_keyed_jagged_batch_pools_and_trains_as_separate_embedding_bags(
     if out:
         sum((v * (i + 1)).sum() for i, v in enumerate(out.values())).backward()
     for t, bag in ebc.embedding_bags.items():
-        grads = [torch.zeros_like(p) if p.grad is None else p.grad.to_dense() for p in bag.shards]
-        got = shardvar.ShardedVariable(grads, strategy=bag.layout.strategy).to_tensor()
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad.to_dense() for p in bag.weight.variables]
+        got = shardvar.ShardedVariable(grads, partition_strategy=bag.layout.strategy).to_tensor()
         want = sum((plain[f].weight.grad for f in keys if ebc.feature_tables[f] == t), torch.zeros_like(got))
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
@@ -262,7 +262,7 @@ def test_any_keyed_jagged_batch_gives_each_ids_row_as_separate_embeddings(placem
     if out:
         sum((v.values * (i + 1)).pow(2).sum() for i, v in enumerate(out.values())).backward()
     for t, emb in ec.embeddings.items():
-        grads = [torch.zeros_like(p) if p.grad is None else p.grad.to_dense() for p in emb.shards]
-        got = shardvar.ShardedVariable(grads, strategy=emb.layout.strategy).to_tensor()
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad.to_dense() for p in emb.weight.variables]
+        got = shardvar.ShardedVariable(grads, partition_strategy=emb.layout.strategy).to_tensor()
         want = sum((plain[f].weight.grad for f in keys if ec.feature_tables[f] == t), torch.zeros_like(got))
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

@@ -24,8 +24,8 @@ def weights_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def grad_of(table: torch.nn.Module) -> torch.Tensor:
-    grads = [torch.zeros_like(p) if p.grad is None else p.grad.to_dense() for p in table.shards]
-    return shardvar.ShardedVariable(grads, strategy=table.layout.strategy).to_tensor()
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad.to_dense() for p in table.weight.variables]
+    return shardvar.ShardedVariable(grads, partition_strategy=table.layout.strategy).to_tensor()
 
 
 def assert_outputs(got: dict, want: dict, pooled: bool, atol: float = 1e-5) -> None:

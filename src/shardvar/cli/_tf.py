@@ -92,7 +92,7 @@ def run_convert_tf(args: argparse.Namespace) -> int:
     try:
         with byte_progress("convert-tf", args.progress) as progress:
             done = convert(
-                args.ckpt, args.out, mapping, num_shards=args.shards, strategy=args.strategy,
+                args.ckpt, args.out, mapping, partitioner=args.shards, partition_strategy=args.strategy,
                 optimizer=args.optimizer, step=args.step, overwrite=args.force, progress=progress,
             )  # fmt: skip
     except ShardvarError as e:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._deprecation import renamed
 from .._errors import ShardvarError, ShardvarValueError
 from .._pages import empty, empty_like
 from ..dynamic import DynamicEmbedding
@@ -59,14 +60,16 @@ def answer(comm: Comm, values: torch.Tensor, sent: list, got: list, order: torch
 class DistributedDynamicEmbedding(DynamicEmbedding):
     """``DynamicEmbedding`` over the ranks of a process group; every rank calls it with its own ids."""
 
+    @renamed(num_shards="partitioner")
     def __init__(
         self, embedding_dim: int, capacity: int, *, group: Any = None, timeout: float = DEFAULT_TIMEOUT, **options: Any
     ) -> None:
         comm = Comm(group, timeout)
-        if options.get("devices") is not None or options.get("num_shards", comm.world) != comm.world:
+        count = options.pop("partitioner", comm.world)
+        if options.get("devices") is not None or count != comm.world:
             raise ShardvarValueError(
-                f"a distributed dynamic table has one shard per rank ({comm.world}); do not pass num_shards or "
-                f"devices; got num_shards={options.get('num_shards')!r}, devices={options.get('devices')!r:.60}"
+                f"a distributed dynamic table has one shard per rank ({comm.world}); do not pass partitioner or "
+                f"devices; got partitioner={count!r}, devices={options.get('devices')!r:.60}"
             )
         object.__setattr__(self, "comm", comm)  # _build_rows needs it, before nn.Module.__init__
         object.__setattr__(self, "_group", group)

@@ -115,7 +115,7 @@ def batch_tables(bags: Mapping[str, Table]) -> list[tuple[list[str], ShardedVari
             name
         )
     for names in by_kind.values():
-        shards = [p for n in names for p in bags[n].shards]
+        shards = [p for n in names for p in bags[n].weight.variables]
         device = shards[0].device
         if any(p.device != device for p in shards):
             groups += [([n], None) for n in names]  # tables on several devices: one by one
@@ -123,7 +123,7 @@ def batch_tables(bags: Mapping[str, Table]) -> list[tuple[list[str], ShardedVari
         if as_slab(list(shards)) is None or not all(bags[n].store.rows_as_kept for n in names):
             # Not built in one allocation: table after table, each table's shards back to back, or row by
             # row where a fused optimizer keeps them so (``store.interleaved``).
-            lay_out([(bags[n].shards, bags[n].store.interleaved) for n in names])
+            lay_out([(bags[n].weight.variables, bags[n].store.interleaved) for n in names])
             for n in names:  # each table's store lets go of its own allocation: the tables are held once
                 bags[n].store.refresh()
         variable = ShardedVariable(shards)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._deprecation import deprecated_property
 from .._errors import ShardvarTypeError
 from .._validate import check_choice
 from ..layout import Layout
@@ -56,10 +57,9 @@ class ShardedWeight(nn.Module):
     def _shard_params(self) -> dict[int, torch.Tensor]:
         return {int(name[6:]): p for name, p in self._parameters.items() if name.startswith("shard_")}
 
-    @property
-    def shards(self) -> tuple[torch.Tensor, ...]:
-        """This module's shard parameters, in shard order (for a distributed module: this rank's)."""
-        return tuple(p for _, p in sorted(self._shard_params().items()))
+    # ``module.weight.variables``: this module's shard Parameters in shard order (a distributed
+    # module's: this rank's); ``.shards`` was a second spelling of them.
+    shards = deprecated_property("shards", "module.weight.variables", lambda m: tuple(m.weight.variables))
 
     @property
     def store(self) -> ShardStore:

@@ -46,7 +46,7 @@ def as_sharded(params: Any, partition_strategy: str | None, default: str = "mod"
         raise ShardvarTypeError(
             f"params must be a ShardedVariable, a tensor or a list of tensors; got {type(params).__name__}"
         )
-    variable = ShardedVariable(list(params), strategy=strategy)
+    variable = ShardedVariable(list(params), partition_strategy=strategy)
     layout = variable.layout
     if layout.contiguous and not layout.is_balanced:
         raise ShardvarValueError(
