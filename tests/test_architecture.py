@@ -1,9 +1,16 @@
-"""The import graph of the package has no cycles, module by module."""
+"""The package's architecture: no import cycles, one owner of slab memory, hooks attached not assigned,
+and twins by composition (no chain of Module subclasses more than three deep)."""
 
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
+import pkgutil
 from pathlib import Path
+
+import pytest
+import torch
 
 import shardvar
 
@@ -129,3 +136,133 @@ def test_no_layer_assigns_attributes_onto_a_store() -> None:
 def test_the_assignment_finder_finds_assignments() -> None:
     source = "table.store.sink = f\nself._store.exchange = e\nstore.x += 1\nstore = s\nx.store = s\ny.a.b = 1\n"
     assert _store_assignments(source) == [1, 2, 3]
+
+
+# Twins by composition (issue 35, point 5): a distributed or quantized module is its local module plus
+# what differs (a placement attached to its store, packed rows), composed from mixins that are not
+# Modules, never a deep chain of Module subclasses.
+MAX_MODULE_DEPTH = 3
+
+
+def _module_depth(cls: type) -> int:
+    """The longest chain of shardvar ``nn.Module`` subclasses from ``cls`` (itself counted) up to torch's."""
+    if not (issubclass(cls, torch.nn.Module) and (cls.__module__ or "").startswith("shardvar")):
+        return 0  # torch's modules, and mixins that are not Modules, are no level
+    return 1 + max((_module_depth(base) for base in cls.__bases__), default=0)
+
+
+def _shardvar_classes() -> set[type]:
+    """Every class the package defines: in its modules' namespaces, and every Module subclass it made."""
+    found: set[type] = set()
+    for info in pkgutil.walk_packages(shardvar.__path__, "shardvar."):
+        if info.name.rpartition(".")[2] == "__main__":
+            continue  # runs the command line
+        module = importlib.import_module(info.name)
+        found |= {c for c in vars(module).values() if inspect.isclass(c)}
+    todo = [torch.nn.Module]
+    while todo:
+        cls = todo.pop()
+        found.add(cls)
+        todo += cls.__subclasses__()
+    return {c for c in found if (c.__module__ or "").startswith("shardvar")}
+
+
+def test_no_module_chain_is_more_than_three_deep() -> None:
+    classes = _shardvar_classes()
+    assert len(classes) > 100  # the walk found the package
+    deep = {f"{c.__module__}.{c.__qualname__}": _module_depth(c) for c in classes}
+    assert {name: d for name, d in deep.items() if d > MAX_MODULE_DEPTH} == {}
+
+
+def test_the_depth_counts_module_levels_only() -> None:
+    class Mixin:
+        pass
+
+    class A(torch.nn.Module):
+        pass
+
+    class B(Mixin, A):
+        pass
+
+    class C(B, torch.nn.Embedding):
+        pass
+
+    for cls in (Mixin, A, B, C):
+        cls.__module__ = "shardvar.example"
+    assert [_module_depth(c) for c in (Mixin, A, B, C, torch.nn.Embedding)] == [0, 1, 2, 3, 0]
+
+
+def test_the_twins_keep_their_public_isinstance_relations() -> None:
+    from shardvar.distributed import (
+        DistributedDynamicEmbedding,
+        DistributedEmbedding,
+        DistributedEmbeddingBag,
+        DistributedEmbeddingBagCollection,
+        DistributedEmbeddingCollection,
+        QuantizedDistributedEmbeddingBagCollection,
+        QuantizedDistributedEmbeddingCollection,
+    )
+    from shardvar.dynamic import DynamicEmbedding
+    from shardvar.nn import ShardedEmbedding, ShardedEmbeddingBag, ShardedLinear
+    from shardvar.nn._sharded_weight import ShardedWeight
+
+    nn = torch.nn
+    relations = [
+        (DistributedEmbeddingBag, ShardedEmbeddingBag),
+        (DistributedEmbeddingBag, nn.EmbeddingBag),
+        (DistributedEmbedding, ShardedEmbedding),
+        (DistributedEmbedding, nn.Embedding),
+        (ShardedEmbeddingBag, nn.EmbeddingBag),
+        (ShardedEmbedding, nn.Embedding),
+        (ShardedLinear, nn.Linear),
+        *[(cls, ShardedWeight) for cls in (ShardedEmbedding, ShardedEmbeddingBag, ShardedLinear)],
+        (DistributedDynamicEmbedding, DynamicEmbedding),
+        (DistributedEmbeddingCollection, DistributedEmbeddingBagCollection),
+        (QuantizedDistributedEmbeddingCollection, QuantizedDistributedEmbeddingBagCollection),
+    ]
+    assert [(a.__name__, b.__name__) for a, b in relations if not issubclass(a, b)] == []
+    assert not issubclass(ShardedEmbedding, nn.EmbeddingBag) and not issubclass(ShardedEmbeddingBag, nn.Embedding)
+
+
+@pytest.fixture
+def one_rank():
+    """A default process group of one rank (gloo, in this process), removed afterwards."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_distributed_modules_are_their_local_modules(one_rank) -> None:
+    """Built, a distributed module (and a distributed collection's group table) is an instance of the local
+    sharded module and of the torch module both replace, with the exchange on its store."""
+    from shardvar.distributed import (
+        DistributedEmbedding,
+        DistributedEmbeddingBag,
+        DistributedEmbeddingBagCollection,
+        DistributedEmbeddingCollection,
+    )
+    from shardvar.nn import ShardedEmbedding, ShardedEmbeddingBag, TableConfig
+
+    nn = torch.nn
+    bag, rows = DistributedEmbeddingBag(6, 3, 2, mode="sum"), DistributedEmbedding(6, 3, 2)
+    tables = {"t": TableConfig(6, 3, partitioner=2, mode="sum")}
+    ebc, ec = DistributedEmbeddingBagCollection(tables), DistributedEmbeddingCollection(tables)
+    for module, local, torch_module in [
+        (bag, ShardedEmbeddingBag, nn.EmbeddingBag),
+        (rows, ShardedEmbedding, nn.Embedding),
+        (ebc.bags[0], ShardedEmbeddingBag, nn.EmbeddingBag),
+        (ec.bags[0], ShardedEmbedding, nn.Embedding),
+    ]:
+        assert isinstance(module, local) and isinstance(module, torch_module), type(module)
+        assert module.store.exchange is not None
+    assert isinstance(ec, DistributedEmbeddingBagCollection)
+    assert "rank=0/1, owned=[0, 1]" in repr(ebc.bags[0]) and "rank=0/1, owned=[0, 1]" in repr(bag)
+    assert set(ebc.bags[0].sharded_variables()) == set() and set(bag.sharded_variables()) == {"weight"}
+    out = bag(torch.tensor([0, 5, 1]), torch.tensor([0, 2]))
+    torch.testing.assert_close(out, torch.stack([bag.weight.to_tensor()[[0, 5]].sum(0), bag.weight.to_tensor()[1]]))

@@ -21,14 +21,14 @@ from torch import nn
 
 from .._errors import ShardvarDistributedError, ShardvarError, ShardvarTypeError, ShardvarValueError
 from ..layout import Layout
-from ..nn import KeyedJagged, TableConfig
+from ..nn import KeyedJagged, ShardedEmbedding, ShardedEmbeddingBag, TableConfig
 from ..nn._collection import check_tables, feature_map, pack, row_dtype, split_inputs
 from ..nn._jagged import jagged_split
 from ..variables import RowInitializer, ShardedVariable, ShardStore
 from ..variables._create import to_layout
 from ._agree import agree, refuse
 from ._comm import DEFAULT_TIMEOUT, Comm
-from ._module import DistributedEmbedding, DistributedEmbeddingBag
+from ._module import _Distributed
 from ._placement import plan_collection
 from ._replicas import Replicas
 
@@ -45,11 +45,13 @@ class _Unnamed:
         return {}
 
 
-class _GroupBag(_Unnamed, DistributedEmbeddingBag):
+# A group's table is the local module over a store spread over ranks (`_Distributed`'s construction),
+# composed as the public distributed modules are, rather than a subclass of them.
+class _GroupBag(_Unnamed, _Distributed, ShardedEmbeddingBag):
     """A pooled collection's group: bags of the group's rows."""
 
 
-class _GroupRows(_Unnamed, DistributedEmbedding):
+class _GroupRows(_Unnamed, _Distributed, ShardedEmbedding):
     """A sequence collection's group: every id's row."""
 
 

@@ -26,8 +26,13 @@ from ._state_dict import FORMS, register_logical_hooks
 __all__ = ["ShardedWeight"]
 
 
-class ShardedWeight(nn.Module):
-    """Base of the modules whose ``weight`` is a ShardedVariable over their ``shard_<i>`` Parameters."""
+class ShardedWeight:
+    """Mixin of the modules whose ``weight`` is a ShardedVariable over their ``shard_<i>`` Parameters.
+
+    Not an ``nn.Module`` itself: each concrete module is the torch module it replaces
+    (``nn.Embedding``, ``nn.Linear``, ...) plus this, so a sharded module is one Module level below
+    ``nn.Module``, not a chain of them (tests/test_architecture.py keeps chains at most three deep).
+    """
 
     layout: Layout
     _store: ShardStore
