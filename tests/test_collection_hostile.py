@@ -266,3 +266,16 @@ def test_any_keyed_jagged_batch_gives_each_ids_row_as_separate_embeddings(placem
         got = shardvar.ShardedVariable(grads, partition_strategy=emb.layout.strategy).to_tensor()
         want = sum((plain[f].weight.grad for f in keys if ec.feature_tables[f] == t), torch.zeros_like(got))
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["items", "keys", "values", "training", "forward", "update", "_modules"])
+@pytest.mark.parametrize("collection", [EmbeddingBagCollection, EmbeddingCollection])
+def test_a_table_named_as_a_moduledict_attribute_is_refused_by_name(collection, name) -> None:
+    # torch's ModuleDict keeps tables as attributes beside its own (items, keys, training, ...).
+    with pytest.raises(shardvar.ShardvarValueError, match=rf"table name '{name}' is an attribute of torch's ModuleDict"):
+        collection({name: TableConfig(10, 4)})
+
+
+def test_a_feature_may_keep_a_name_its_table_cannot() -> None:
+    ebc = EmbeddingBagCollection({"item_table": TableConfig(10, 4, feature_names=["items"])})
+    assert ebc({"items": torch.tensor([[1, 2]])})["items"].shape == (1, 4)
