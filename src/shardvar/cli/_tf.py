@@ -38,9 +38,11 @@ def _shown(text: str) -> str:
 
 
 def _slices(v: object) -> str:
+    from ..tf import slice_spec  # TensorFlow's spelling of a slice, as its errors print it
+
     if not v.sliced:
         return "-"
-    specs = [":".join(f"{o},{n}" for o, n in zip(p.offsets, p.lengths, strict=True)) for p in v.pieces]
+    specs = [slice_spec(list(zip(p.offsets, p.lengths, strict=True))) for p in v.pieces]
     return f"{len(specs)}: " + " ".join(specs[:4]) + (" ..." if len(specs) > 4 else "")
 
 
