@@ -371,11 +371,8 @@ def embedding_bag(
     ids, pad, max_norm, norm_type, deferred, offsets, include_last_offset, bag_offsets, weights = checked(store, check)
     src = _source(store, ids if ids.dim() == 1 else ids.reshape(-1), pad, max_norm, norm_type, sparse, by_rows)
     indices = src.indices if src.indices.shape == ids.shape else src.indices.reshape(ids.shape)
-    op = functools.partial(
-        embedding_bag_rows, indices, src.weight, bag_offsets, mode=mode, per_sample_weights=weights,
-        padding_idx=src.padding_idx, include_last_offset=include_last_offset, max_norm=src.max_norm,
-        norm_type=norm_type, scale_grad_by_freq=scale_grad_by_freq, sparse=src.sparse,
-    )  # fmt: skip
+    options = (src.max_norm, norm_type, scale_grad_by_freq, mode, src.sparse, weights, include_last_offset)
+    op = functools.partial(embedding_bag_rows, indices, src.weight, bag_offsets, *options, src.padding_idx)
     return _refused_ids(op, deferred, store, ids, (offsets, include_last_offset))
 
 

@@ -36,14 +36,14 @@ __all__ = [
 def embedding_rows(
     indices: torch.Tensor,
     weight: torch.Tensor,
-    *,
     padding_idx: int | None = None,
     max_norm: float | None = None,
     norm_type: float = 2.0,
     scale_grad_by_freq: bool = False,
     sparse: bool = False,
 ) -> torch.Tensor:
-    """``F.embedding(indices, weight, ...)``: rows ``indices`` of ``weight``, huge-page backed where that pays."""
+    """``F.embedding(indices, weight, ...)`` (its parameters, in its order): rows ``indices`` of ``weight``,
+    huge-page backed where that pays (:mod:`._gather`)."""
     return _gather.embedding(indices, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
 
 
@@ -51,17 +51,19 @@ def embedding_bag_rows(
     indices: torch.Tensor,
     weight: torch.Tensor,
     offsets: torch.Tensor | None = None,
-    *,
-    mode: str = "mean",
-    per_sample_weights: torch.Tensor | None = None,
-    padding_idx: int | None = None,
-    include_last_offset: bool = False,
     max_norm: float | None = None,
     norm_type: float = 2.0,
     scale_grad_by_freq: bool = False,
+    mode: str = "mean",
     sparse: bool = False,
+    per_sample_weights: torch.Tensor | None = None,
+    include_last_offset: bool = False,
+    padding_idx: int | None = None,
 ) -> torch.Tensor:
-    """``F.embedding_bag(indices, weight, offsets, ...)``: the bags of rows ``indices`` of ``weight``."""
+    """``F.embedding_bag(indices, weight, offsets, ...)``: the bags of rows ``indices`` of ``weight``.
+
+    The parameters are ``F.embedding_bag``'s, in its order (the functional module passes them by
+    position: no keyword dictionary on its hot path; the modules name them)."""
     return F.embedding_bag(
         indices, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse, per_sample_weights,
         include_last_offset, padding_idx,
