@@ -1,5 +1,5 @@
 """The package's architecture: no import cycles, one owner of slab memory, hooks attached not assigned,
-and twins by composition (no chain of Module subclasses more than three deep)."""
+twins by composition (no chain of Module subclasses more than three deep), and one lookup implementation."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import ast
 import importlib
 import inspect
 import pkgutil
+import re
 from pathlib import Path
 
 import pytest
@@ -266,3 +267,88 @@ def test_distributed_modules_are_their_local_modules(one_rank) -> None:
     assert set(ebc.bags[0].sharded_variables()) == set() and set(bag.sharded_variables()) == {"weight"}
     out = bag(torch.tensor([0, 5, 1]), torch.tensor([0, 2]))
     torch.testing.assert_close(out, torch.stack([bag.weight.to_tensor()[[0, 5]].sum(0), bag.weight.to_tensor()[1]]))
+
+
+# The functional module and the kernels it owns: the only modules that run an embedding kernel.
+# (The workloads' baselines are plain torch on purpose: what a benchmark compares shardvar against.)
+KERNEL_MODULES = {
+    "variables/_functional.py",
+    "variables/_kernels.py",  # the functional module's row-level half: which kernel, and how
+    "variables/_gather.py",  # huge-page F.embedding and its backward
+    "variables/_distinct.py",  # segment sums and the distinct rows' expansion
+    "variables/_packed.py",  # the packed row formats' prepack and bag kernels
+}
+BASELINES = {"workloads/_bench.py", "workloads/_roofline.py"}
+_KERNEL = re.compile(r"_?embedding")  # embedding, embedding_bag, _embedding_bag_forward_only, embedding_renorm_, ...
+
+
+def _dotted(node: ast.expr) -> list[str]:
+    """``a.b.c`` as ``["a", "b", "c"]`` ([] for anything else)."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else []
+
+
+def _kernel_calls(source: str) -> list[int]:
+    """Lines that call an embedding kernel of torch's: through ``torch``, a name bound to a torch module or
+    namespace (``F``, ``aten = torch.ops.aten``, ``from torch.nn import functional``), or to a kernel itself
+    (``lookup = torch._embedding_bag_forward_only``, ``from torch.nn.functional import embedding``)."""
+    tree = ast.parse(source)
+    torchy, kernels = {"torch"}, set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            torchy |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.split(".")[0] == "torch"}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch" and not node.level:
+            for a in node.names:
+                (kernels if _KERNEL.match(a.name) else torchy).add(a.asname or a.name)
+    pairs = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(t, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                    pairs += zip(t.elts, node.value.elts, strict=False)
+                else:
+                    pairs.append((t, node.value))
+    for target, value in pairs:  # in source order: an alias of an alias is found too
+        chain = _dotted(value)
+        if isinstance(target, ast.Name) and chain and chain[0] in torchy:
+            (kernels if any(_KERNEL.match(p) for p in chain[1:]) else torchy).add(target.id)
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        chain = _dotted(node.func)
+        if chain and (chain[0] in kernels or (chain[0] in torchy and any(_KERNEL.match(p) for p in chain[1:]))):
+            found.append(node.lineno)
+    return sorted(found)
+
+
+def test_only_the_functional_module_runs_embedding_kernels() -> None:
+    """One lookup implementation: every module above the functional module says what to look up (rows,
+    offsets, weights) and calls ``functional.embedding_rows`` / ``embedding_bag_rows`` / ``bag_parts`` /
+    ``packed_bag_rows`` / ``packed_rows`` / ``renorm_rows`` for how; none calls a kernel itself."""
+    paths = {p.relative_to(PACKAGE).as_posix(): p for p in PACKAGE.rglob("*.py")}
+    found = {name: _kernel_calls(p.read_text()) for name, p in paths.items()}
+    assert all(found[m] for m in ("variables/_gather.py", "variables/_packed.py", *BASELINES))  # the finder finds them
+    assert {m: lines for m, lines in found.items() if lines and m not in KERNEL_MODULES | BASELINES} == {}
+
+
+@pytest.mark.parametrize(
+    ("source", "lines"),
+    [
+        ("import torch.nn.functional as F\nF.embedding(i, w)\nF.embedding_bag(i, w, o)\nF.linear(x, w)\n", [2, 3]),
+        ("import torch\ntorch.nn.functional.embedding(i, w)\ntorch.embedding_renorm_(w, i, 1.0, 2.0)\n", [2, 3]),
+        ("import torch\nn, f = 1, torch._embedding_bag_forward_only\nf(w, i, o)\n", [3]),
+        ("import torch\naten = torch.ops.aten\naten._embedding_bag_forward_only.out(w)\naten.add(x, y)\n", [3]),
+        ("import torch\n_Q = torch.ops.quantized\n_Q.embedding_bag_byte_rowwise_offsets(w, i, o)\n", [3]),
+        ("from torch.nn.functional import embedding_bag as eb\neb(i, w, o)\n", [2]),
+        ("from torch.nn import functional\nfunctional.embedding(i, w)\n", [2]),
+        # shardvar's own functional module is not torch's: its lookups are what the modules should call
+        ("from ..variables import functional\nfunctional.embedding(store, i)\nfunctional.embedding_rows(i, w)\n", []),
+        ("import torch\ntorch.index_select(w, 0, i)\nw.embedding(i)\n", []),
+    ],
+)
+def test_the_kernel_call_finder_finds_kernel_calls(source: str, lines: list[int]) -> None:
+    assert _kernel_calls(source) == lines

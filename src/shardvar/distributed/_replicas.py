@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from .._pages import zeros
@@ -23,7 +22,7 @@ from ..nn._collection import pack
 from ..nn._jagged import jagged_split
 from ..variables import RowInitializer, ShardedVariable
 from ..variables._distinct import sparse_rows
-from ..variables._functional import slab_weight
+from ..variables._functional import embedding_bag_rows, embedding_rows, slab_weight
 from ._comm import Comm
 
 __all__ = ["Replicas"]
@@ -110,8 +109,8 @@ class Replicas:
             rows, offs, psw, counts = inputs
             weight = _SummedGrad.apply(slab_weight(store), self.comm)
             if not self.pooled:  # a sequence collection's: every id's row
-                out.update(jagged_split(F.embedding(rows, weight, sparse=self.sparse), offs, counts, present))
+                out.update(jagged_split(embedding_rows(rows, weight, sparse=self.sparse), offs, counts, present))
                 continue
-            pooled = F.embedding_bag(rows, weight, offs, mode=mode, sparse=self.sparse, per_sample_weights=psw)
+            pooled = embedding_bag_rows(rows, weight, offs, mode=mode, per_sample_weights=psw, sparse=self.sparse)
             out.update(zip(present, pooled.split(counts), strict=True))
         return out

@@ -13,7 +13,6 @@ import weakref
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .._deprecation import renamed
@@ -274,4 +273,4 @@ class DynamicEmbeddingBag(_DynamicTable):
             )
         rows = self._rows(slot.reshape(-1))
         positions = torch.arange(slot.numel(), device=slot.device).view(slot.shape)
-        return F.embedding_bag(positions, rows, offsets, mode=self.mode, per_sample_weights=weights)
+        return functional.embedding_bag_rows(positions, rows, offsets, mode=self.mode, per_sample_weights=weights)

@@ -18,13 +18,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .._errors import ShardvarError, ShardvarTypeError, ShardvarValueError
 from ..layout import Layout, as_ids
 from ..variables import ShardedVariable
-from ..variables._functional import slab_weight
+from ..variables._functional import embedding_bag_rows, embedding_rows, slab_weight
 from ..variables._memory import as_slab, lay_out
 from ._collection_build import FeatureMap, TableConfig, build_tables, check_tables, feature_map
 from ._embedding import ShardedEmbedding, ShardedEmbeddingBag
@@ -279,8 +278,8 @@ def _lookup_group(
     rows, offs, psw, counts = packed
     weight = slab_weight(store)
     if pooling(table) is None:  # a sequence collection: every id's row, bag by bag
-        return jagged_split(F.embedding(rows, weight, sparse=table.sparse), offs, counts, present)
-    pooled = F.embedding_bag(rows, weight, offs, mode=table.mode, sparse=table.sparse, per_sample_weights=psw)
+        return jagged_split(embedding_rows(rows, weight, sparse=table.sparse), offs, counts, present)
+    pooled = embedding_bag_rows(rows, weight, offs, mode=table.mode, per_sample_weights=psw, sparse=table.sparse)
     return dict(zip(present, pooled.split(counts), strict=True))
 
 

@@ -4,8 +4,9 @@ A packed table keeps its local shards as views of one packed slab (``quantize`` 
 so a local lookup maps the ids to slab rows (vectorised, for every strategy) and runs torch's
 row-wise bag kernel once on the slab. A distributed one fetches the packed rows of its distinct
 ids from their owners (the store's ``exchange``: bytes travel, not floats) and runs the same
-kernel on them. Formats or modes without a kernel (float16 rows, ``max`` bags) dequantize just
-the rows a lookup reads and run ``F.embedding_bag`` on them, which is what the kernel computes.
+kernel on them (``functional.packed_bag_rows`` and ``packed_rows`` choose the kernel: formats or
+modes without one, float16 rows and ``max`` bags, dequantize just the rows a lookup reads and pool
+them with ``F.embedding_bag``, which is what the kernel computes).
 """
 
 from __future__ import annotations
@@ -15,12 +16,20 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from .._validate import check_choice
 from ..layout import as_ids, check_ids
 from ..variables import ShardStore
-from ..variables._functional import BAG_MODES, _check_bag, _check_weights, checked, gather_local, spread
+from ..variables._functional import (
+    BAG_MODES,
+    _check_bag,
+    _check_weights,
+    checked,
+    gather_local,
+    packed_bag_rows,
+    packed_rows,
+    spread,
+)
 from ..variables._packed import RowFormat
 
 __all__ = ["bag", "rows"]
@@ -72,12 +81,6 @@ def _without_padding(
     return ids[keep], kept_before.index_select(0, offsets), None if weights is None else weights[keep]
 
 
-def _bag_sizes(offsets: torch.Tensor, n: int, include_last_offset: bool) -> torch.Tensor:
-    """Ids per bag (at least 1: an empty bag's mean is zero, as nn.EmbeddingBag gives)."""
-    ends = offsets if include_last_offset else torch.cat([offsets, offsets.new_tensor([n])])
-    return ends.diff().clamp_(min=1).to(torch.float32)
-
-
 # F.embedding_bag's keyword arguments, as variables.embedding_bag takes them (`duplicates` pairs the
 # two signatures): the packed twin of that function, with its own kernel, not a repeated rule.
 def bag(
@@ -109,14 +112,8 @@ def bag(
     )
     with _clear_errors(store, ids):
         packed, rows = _source(store, flat)
-        if fmt.bag is not None and mode != "max":  # the packed kernels pool no max
-            # Sums only: torch 2.13's kernels return the sum for mode=1 (mean) too; the mean divides here.
-            out = fmt.bag(packed, rows, offsets, False, 0, False, weights, None, include_last_offset)
-            return out if mode == "sum" else out / _bag_sizes(offsets, flat.numel(), include_last_offset)[:, None]
-        unique, inverse = torch.unique(rows, return_inverse=True)
-        table = fmt.unpack(packed.index_select(0, unique))
-        return F.embedding_bag(
-            inverse, table, offsets, mode=mode, per_sample_weights=weights, include_last_offset=include_last_offset
+        return packed_bag_rows(
+            fmt, packed, rows, offsets, mode=mode, per_sample_weights=weights, include_last_offset=include_last_offset
         )
 
 
@@ -126,9 +123,5 @@ def rows(store: ShardStore, fmt: RowFormat, ids: Any, dim: int) -> torch.Tensor:
     flat = ids.reshape(-1)
     with _clear_errors(store, ids):
         packed, at = _source(store, flat)
-        if fmt.bag is None:
-            out = fmt.unpack(packed.index_select(0, at))
-        else:  # one bag per id, straight from the slab: the kernel's sum of one row is that row, dequantized
-            bags = torch.arange(flat.numel(), device=flat.device)
-            out = fmt.bag(packed, at, bags, False, 0, False, None, None, False)
+        out = packed_rows(fmt, packed, at)
     return out.reshape(*ids.shape, dim)

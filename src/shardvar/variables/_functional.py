@@ -10,6 +10,9 @@ A lookup finds a *source*: a weight tensor and the indices into it that stand fo
   store's ``exchange``) and the op runs on those rows with each id's position among them.
 
 Either way the torch op itself handles padding, bags, per-sample weights and sparse gradients.
+Which op, and how it is called, is :mod:`._kernels`' (re-exported here: ``embedding_rows``,
+``embedding_bag_rows``, ``bag_parts``, ``packed_bag_rows``, ``packed_rows``, ``renorm_rows``,
+``segment_sum``): every lookup in shardvar, this module's and the modules' above it, runs through them.
 """
 
 from __future__ import annotations
@@ -19,29 +22,36 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from .._errors import ShardvarDTypeError, ShardvarValueError
 from .._validate import BAG_MODES, check_bag_mode, check_bool, check_int, check_number
 from ..layout import as_ids, check_ids
 from . import _gather
 from ._autograd import GatherRows, SlabView, gather_local, scatter_grads
-from ._distinct import Distinct, distinct, expand
+from ._distinct import Distinct, distinct, expand, segment_sum
 from ._jagged import bags, check_jagged, is_nested, on_values
+from ._kernels import bag_parts, embedding_bag_rows, embedding_rows, packed_bag_rows, packed_rows, renorm_rows
 from ._meta import check_readable
 from ._spread import checked, exchange_of, spread
 from ._store import ShardStore
 
 __all__ = [
     "BAG_MODES",
+    "bag_parts",
     "check_padding_idx",
     "checked",
     "embedding",
     "embedding_bag",
+    "embedding_bag_rows",
+    "embedding_rows",
     "gather",
     "gather_local",
+    "packed_bag_rows",
+    "packed_rows",
     "renorm",
+    "renorm_rows",
     "scatter_grads",
+    "segment_sum",
     "slab_weight",
     "spread",
 ]
@@ -139,7 +149,7 @@ def renorm(store: ShardStore, ids: torch.Tensor, max_norm: float, norm_type: flo
             rows = row[group == g] if len(store.groups) > 1 else row
             if rows.numel():
                 target = store.group_rows(g)  # a view of the shards' memory (2-D tables only)
-                torch.embedding_renorm_(target, rows.to(target.device), max_norm, norm_type)
+                renorm_rows(target, rows.to(target.device), max_norm, norm_type)
 
 
 def _transformed(t: torch.Tensor) -> bool:
@@ -362,7 +372,7 @@ def embedding_bag(
     src = _source(store, ids if ids.dim() == 1 else ids.reshape(-1), pad, max_norm, norm_type, sparse, by_rows)
     indices = src.indices if src.indices.shape == ids.shape else src.indices.reshape(ids.shape)
     options = (src.max_norm, norm_type, scale_grad_by_freq, mode, src.sparse, weights, include_last_offset)
-    op = functools.partial(F.embedding_bag, indices, src.weight, bag_offsets, *options, src.padding_idx)
+    op = functools.partial(embedding_bag_rows, indices, src.weight, bag_offsets, *options, src.padding_idx)
     return _refused_ids(op, deferred, store, ids, (offsets, include_last_offset))
 
 
