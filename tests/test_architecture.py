@@ -352,3 +352,41 @@ def test_only_the_functional_module_runs_embedding_kernels() -> None:
 )
 def test_the_kernel_call_finder_finds_kernel_calls(source: str, lines: list[int]) -> None:
     assert _kernel_calls(source) == lines
+
+
+# Ground-floor modules every layer may use (the error family, argument checks, pages, buffers, formats).
+GROUND = {"_errors", "_validate", "_pages", "_recycle", "_format", "_deprecation"}
+
+
+def _reach_ins(own: str, source: str) -> list[tuple[int, str]]:
+    """(line, text) of each import, in a module of subpackage ``own``, of another subpackage's private module."""
+    lines, found = source.splitlines(), []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level >= 2 and node.module:
+            parts = node.module.split(".")
+            if parts[0] not in (own, *GROUND) and any(p.startswith("_") for p in parts):
+                found.append((node.lineno, lines[node.lineno - 1]))
+    return found
+
+
+def test_a_subpackage_reaches_into_another_s_private_modules_rarely_and_says_why() -> None:
+    """At most 10 imports of another subpackage's private module, each with a reason on its line;
+    otherwise the name is public in its package (or moved down a layer)."""
+    found = [
+        (str(path.relative_to(PACKAGE)), *hit)
+        for path in PACKAGE.rglob("*.py")
+        for hit in _reach_ins(path.relative_to(PACKAGE).parts[0], path.read_text())
+    ]
+    assert len(found) <= 10, found
+    assert [f for f in found if "#" not in f[2]] == []
+
+
+def test_the_reach_in_finder_finds_them() -> None:
+    source = (
+        "from ..variables._store import ShardStore\n"  # another subpackage's private module: found
+        "from ..variables import ShardStore\n"  # its public package
+        "from ._pack import pack\n"  # its own subpackage
+        "from .._errors import ShardvarError\n"  # the ground floor
+        "def f():\n    from ..checkpoint._chain import Chain  # why\n"
+    )
+    assert [line for line, _ in _reach_ins("nn", source)] == [1, 6]

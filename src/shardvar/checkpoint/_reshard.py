@@ -13,7 +13,7 @@ from .._deprecation import renamed
 from .._errors import CheckpointError
 from .._validate import check_bool, check_int
 from ..layout import Layout, get_strategy
-from ..variables._create import to_layout
+from ..variables import to_layout
 from ._chain import Chain
 from ._manifest import MANIFEST
 from ._restore import _check_file

@@ -47,8 +47,7 @@ def _slices(v: object) -> str:
 
 
 def run_tf_inspect(args: argparse.Namespace) -> int:
-    from ..tf import TFCheckpoint
-    from ..tf._graph import short_name
+    from ..tf import TFCheckpoint, short_name
 
     try:
         reader = TFCheckpoint(args.path)

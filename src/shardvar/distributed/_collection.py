@@ -21,11 +21,19 @@ from torch import nn
 
 from .._errors import ShardvarDistributedError, ShardvarError, ShardvarTypeError, ShardvarValueError
 from ..layout import Layout
-from ..nn import KeyedJagged, ShardedEmbedding, ShardedEmbeddingBag, TableConfig
-from ..nn._collection import check_tables, feature_map, pack, row_dtype, split_inputs
-from ..nn._jagged import jagged_split
-from ..variables import RowInitializer, ShardedVariable, ShardStore
-from ..variables._create import to_layout
+from ..nn import (
+    KeyedJagged,
+    ShardedEmbedding,
+    ShardedEmbeddingBag,
+    TableConfig,
+    check_tables,
+    feature_map,
+    jagged_split,
+    pack,
+    row_dtype,
+    split_inputs,
+)
+from ..variables import RowInitializer, ShardedVariable, ShardStore, to_layout
 from ._agree import agree, refuse
 from ._comm import DEFAULT_TIMEOUT, Comm
 from ._module import _Distributed

@@ -21,12 +21,7 @@ from torch import nn
 from .._deprecation import renamed
 from .._errors import ShardvarError, ShardvarValueError
 from .._pages import empty, empty_like
-from ..dynamic import DynamicEmbedding
-from ..dynamic._hash import as_keys, shard_of
-from ..dynamic._module import one_of
-from ..dynamic._optim import _state_views
-from ..dynamic._policy import KEY, USED, _stable_order
-from ..dynamic._slots import SlotTable
+from ..dynamic import KEY, USED, DynamicEmbedding, SlotTable, as_keys, one_of, shard_of, stable_order, state_views
 from ..layout import Layout
 from ._agree import agree, refuse
 from ._comm import DEFAULT_TIMEOUT, Comm
@@ -184,7 +179,7 @@ class DistributedDynamicEmbedding(DynamicEmbedding):
         rank = self.comm.rank
         out = [(self.table.store.local_shards()[rank], 0.0)]
         for ref, _ in self._attached:
-            views = _state_views(ref(), self.table.store) if ref() is not None else []
+            views = state_views(ref(), self.table.store) if ref() is not None else []
             out += [(v[rank], fresh) for v, fresh in views if rank in v]
         return out
 
@@ -203,7 +198,7 @@ class DistributedDynamicEmbedding(DynamicEmbedding):
         arrived_meta = route(self.comm, meta[held], owner, "slot metadata")[0]
         arrived = [route(self.comm, t[held].reshape(held.numel(), t[0].numel()), owner, "rows")[0] for t, _ in tensors]
         scores = [-col for col in self.eviction.scores(arrived_meta)]
-        order = _stable_order(*scores)[: self.slots.sizes[0]]  # the best ids by policy, up to capacity
+        order = stable_order(*scores)[: self.slots.sizes[0]]  # the best ids by policy, up to capacity
         meta.zero_()
         meta[: order.numel()] = arrived_meta[order]
         for (t, fresh), rows in zip(tensors, arrived, strict=True):

@@ -14,12 +14,9 @@ from torch import nn
 
 from .._errors import ShardvarTypeError
 from ..layout import Layout
-from ..nn import KeyedJagged
-from ..nn._collection import pack, row_dtype
-from ..nn._jagged import jagged_split
-from ..quantized import QuantizedEmbedding, QuantizedEmbeddingBag, register
-from ..quantized._quantize import quantize_table
-from ..variables._packed import RowFormat
+from ..nn import KeyedJagged, jagged_split, pack, row_dtype
+from ..quantized import QuantizedEmbedding, QuantizedEmbeddingBag, quantize_table, register
+from ..variables import RowFormat
 from ._collection import DistributedEmbeddingBagCollection, DistributedEmbeddingCollection, lookup_collection
 
 __all__ = ["QuantizedDistributedEmbeddingBagCollection", "QuantizedDistributedEmbeddingCollection"]

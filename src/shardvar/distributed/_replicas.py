@@ -17,12 +17,8 @@ from torch import nn
 
 from .._pages import zeros
 from ..layout import Layout
-from ..nn import TableConfig
-from ..nn._collection import pack
-from ..nn._jagged import jagged_split
-from ..variables import RowInitializer, ShardedVariable
-from ..variables._distinct import sparse_rows
-from ..variables._functional import embedding_bag_rows, embedding_rows, slab_weight
+from ..nn import TableConfig, jagged_split, pack
+from ..variables import RowInitializer, ShardedVariable, embedding_bag_rows, embedding_rows, slab_weight, sparse_rows
 from ._comm import Comm
 
 __all__ = ["Replicas"]

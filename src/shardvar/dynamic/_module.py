@@ -20,9 +20,8 @@ from .._errors import ShardvarTypeError, ShardvarValueError
 from .._validate import check_bag_mode, check_bool, check_int
 from ..layout import Layout
 from ..nn import ShardedEmbedding
-from ..variables import ShardStore, to_layout
+from ..variables import ShardStore, scatter, to_layout
 from ..variables import _functional as functional
-from ..variables._update import scatter
 from ._hash import IdInitializer, as_keys
 from ._optim import move_rows, reset_rows
 from ._policy import KEY, SEEN, USED, CountAdmission, ProbabilityAdmission, as_eviction, lowest_per_group
@@ -264,8 +263,8 @@ class DynamicEmbeddingBag(_DynamicTable):
 
     def forward(self, ids: Any, offsets: Any = None, per_sample_weights: Any = None) -> torch.Tensor:
         keys = as_keys(ids, self.slots.meta.device)
-        offsets = functional._check_bag(keys, offsets, include_last_offset=False)  # checked before any change
-        weights = functional._check_weights(per_sample_weights, keys, self.mode, self.store.dtype)
+        offsets = functional.check_bag(keys, offsets, include_last_offset=False)  # checked before any change
+        weights = functional.check_weights(per_sample_weights, keys, self.mode, self.store.dtype)
         slot = self._resolve(keys.reshape(-1)).view(keys.shape)
         if bool((slot >= 0).all()):
             return functional.embedding_bag(

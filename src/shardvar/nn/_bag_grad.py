@@ -22,9 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..variables._autograd import reading
-from ..variables._distinct import segments, sparse_rows
-from ..variables._functional import bag_parts, segment_sum
+from ..variables import bag_parts, reading, segment_sum, segments, sparse_rows
 
 __all__ = ["Part", "sparse_bag", "sparse_bags"]
 

@@ -22,9 +22,7 @@ from torch import nn
 
 from .._errors import ShardvarError, ShardvarTypeError, ShardvarValueError
 from ..layout import Layout, as_ids
-from ..variables import ShardedVariable
-from ..variables._functional import embedding_bag_rows, embedding_rows, slab_weight
-from ..variables._memory import as_slab, lay_out
+from ..variables import ShardedVariable, as_slab, embedding_bag_rows, embedding_rows, lay_out, slab_weight
 from ._collection_build import FeatureMap, TableConfig, build_tables, check_tables, feature_map
 from ._embedding import ShardedEmbedding, ShardedEmbeddingBag
 from ._jagged import KeyedJagged, jagged_split

@@ -23,8 +23,7 @@ from .._errors import ShardvarTypeError, ShardvarValueError
 from .._pages import empty
 from .._validate import check_bag_mode, check_choice, check_float_dtype, check_int
 from ..layout import Layout
-from ..variables import ShardStore, to_layout
-from ..variables._memory import shards_over
+from ..variables import ShardStore, shards_over, to_layout
 from ._jagged import check_names
 
 __all__ = ["FeatureMap", "TableConfig", "build_tables", "check_tables", "feature_map"]

@@ -20,8 +20,7 @@ from torch import nn
 from .._errors import ShardvarTypeError, ShardvarValueError
 from .._pages import empty
 from ..nn import sharded_parameters
-from ..variables import ShardedVariable, ShardsView
-from ..variables._store import ShardStore
+from ..variables import ShardedVariable, ShardStore, ShardsView
 
 __all__ = ["Table", "find_tables"]
 

@@ -19,18 +19,18 @@ import torch
 
 from .._validate import check_choice
 from ..layout import as_ids, check_ids
-from ..variables import ShardStore
-from ..variables._functional import (
+from ..variables import (
     BAG_MODES,
-    _check_bag,
-    _check_weights,
+    RowFormat,
+    ShardStore,
+    check_bag,
+    check_weights,
     checked,
     gather_local,
     packed_bag_rows,
     packed_rows,
     spread,
 )
-from ..variables._packed import RowFormat
 
 __all__ = ["bag", "rows"]
 
@@ -100,8 +100,8 @@ def bag(
     def check() -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         check_choice(mode, "mode", BAG_MODES)
         checked_ids = _ids(store, ids)
-        bag_offsets = _check_bag(checked_ids, offsets, include_last_offset)
-        return checked_ids, bag_offsets, _check_weights(per_sample_weights, checked_ids, mode, torch.float32)
+        bag_offsets = check_bag(checked_ids, offsets, include_last_offset)
+        return checked_ids, bag_offsets, check_weights(per_sample_weights, checked_ids, mode, torch.float32)
 
     ids, offsets, weights = checked(store, check)
     if offsets is None:  # [bags, ids per bag]

@@ -17,10 +17,7 @@ from torch import nn
 
 from .._errors import ShardvarValueError
 from ..layout import Layout
-from ..variables import ShardStore
-from ..variables._functional import checked
-from ..variables._packed import RowFormat
-from ..variables._values import ids_device
+from ..variables import RowFormat, ShardStore, checked, ids_device
 from . import _lookup
 
 __all__ = ["PackedVariable", "QuantizedEmbedding", "QuantizedEmbeddingBag"]

@@ -15,10 +15,9 @@ import torch
 from torch import nn
 
 from .._errors import ShardvarTypeError
-from ..checkpoint._quantize import quantize_checkpoint
+from ..checkpoint import quantize_checkpoint
 from ..nn import EmbeddingBagCollection, EmbeddingCollection, ShardedEmbedding, ShardedEmbeddingBag
-from ..variables import ShardStore, functional
-from ..variables._packed import RowFormat, row_format
+from ..variables import RowFormat, ShardStore, functional, row_format
 from ._collections import QuantizedEmbeddingBagCollection, QuantizedEmbeddingCollection
 from ._modules import QuantizedEmbedding, QuantizedEmbeddingBag
 

@@ -21,11 +21,9 @@ import torch
 from .._deprecation import renamed
 from .._errors import CheckpointError
 from .._validate import check_bool, check_int
-from ..checkpoint._manifest import MANIFEST
-from ..checkpoint._optim import OptimizerRecord, slot_name
-from ..checkpoint._write import Entry, Progress, check_dtypes, write
+from ..checkpoint import MANIFEST, Entry, OptimizerRecord, Progress, check_dtypes, slot_name, write
 from ..layout import Layout, get_strategy
-from ..variables._create import to_layout
+from ..variables import to_layout
 from ._bundle import DTYPES
 from ._graph import GRAPH_KEY, short_name
 from ._reader import TFCheckpoint, TFVariable

@@ -272,7 +272,7 @@ def _check_sparse(store: ShardStore, sparse: bool) -> None:
         )
 
 
-def _check_bag(
+def check_bag(
     ids: torch.Tensor, offsets: torch.Tensor | None, include_last_offset: bool, op_checks_ends: bool = False
 ) -> torch.Tensor | None:
     """Offsets of 1-D ``ids`` (None for 2-D), or the error naming what is wrong with them.
@@ -325,7 +325,7 @@ def _check_ends(ids: torch.Tensor, offsets: torch.Tensor, include_last_offset: b
         )
 
 
-def _check_weights(per_sample_weights: Any, ids: torch.Tensor, mode: str, dtype: torch.dtype) -> torch.Tensor | None:
+def check_weights(per_sample_weights: Any, ids: torch.Tensor, mode: str, dtype: torch.dtype) -> torch.Tensor | None:
     if per_sample_weights is None:
         return None
     if mode != "sum":
@@ -365,8 +365,8 @@ def embedding_bag(
         check_bag_mode(mode)
         given = bags(ids, offsets, per_sample_weights, include_last_offset)  # jagged input as values and offsets
         prepared = _prepare(store, given[0], padding_idx, max_norm, norm_type, sparse, defer=not by_rows)
-        bag_offsets = _check_bag(prepared[0], given[1], given[3], op_checks_ends=prepared[4])
-        return *prepared, given[1], given[3], bag_offsets, _check_weights(given[2], prepared[0], mode, store.dtype)
+        bag_offsets = check_bag(prepared[0], given[1], given[3], op_checks_ends=prepared[4])
+        return *prepared, given[1], given[3], bag_offsets, check_weights(given[2], prepared[0], mode, store.dtype)
 
     ids, pad, max_norm, norm_type, deferred, offsets, include_last_offset, bag_offsets, weights = checked(store, check)
     src = _source(store, ids if ids.dim() == 1 else ids.reshape(-1), pad, max_norm, norm_type, sparse, by_rows)
@@ -389,5 +389,5 @@ def _refused_ids(
         error = e
     check_ids(ids, store.layout.num_rows)  # names the first bad id
     if bag is not None:
-        _check_bag(ids, *bag)  # (offsets, include_last_offset): names bad ends
+        check_bag(ids, *bag)  # (offsets, include_last_offset): names bad ends
     raise error
