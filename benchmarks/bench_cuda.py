@@ -72,7 +72,7 @@ def lookup_rows(args: argparse.Namespace) -> list[list[object]]:
         out.append(row(f"embedding_bag sum, 8 {strategy}", lambda v=v: bag(v.store, ids, offsets, mode="sum"),
                        lambda: F.embedding_bag(ids, table, offsets, mode="sum"), args.rounds))  # fmt: skip
     users = ShardedVariable([c.clone() for c in shardvar.shard_tensor(table, Layout.mod(rows, 1024)).variables],
-                            strategy="mod")  # fmt: skip
+                            partition_strategy="mod")  # fmt: skip
     out.append(row("embedding_lookup, 1024 user mod shards", lambda u=users: shardvar.embedding_lookup(u, ids),
                    lambda: F.embedding(ids, table), args.rounds))  # fmt: skip
     v = shardvar.shard_tensor(table.clone(), Layout.balanced("mod", rows, 8))

@@ -43,7 +43,7 @@ def main() -> None:
     for strategy in ("div", "mod"):
         layout = getattr(Layout, strategy)(args.rows, args.shards)
         slab = shardvar.shard_tensor(table, layout)
-        separate = ShardedVariable([s.clone() for s in slab.variables], strategy=strategy)
+        separate = ShardedVariable([s.clone() for s in slab.variables], partition_strategy=strategy)
         for label, v in ((strategy, slab), (f"{strategy}, separate shards", separate)):
             expected = F.embedding(ids, table)
             assert torch.equal(shardvar.embedding_lookup(v, ids), expected)

@@ -53,7 +53,8 @@ def lookup_rows(args: argparse.Namespace, r: Callable) -> list[list[object]]:
     out = []
     for shards in (8, 1024):
         mine = ShardedVariable(
-            [c.clone() for c in shardvar.shard_tensor(table, Layout.mod(rows, shards)).variables], strategy="mod"
+            [c.clone() for c in shardvar.shard_tensor(table, Layout.mod(rows, shards)).variables],
+            partition_strategy="mod",
         )
         assert torch.equal(shardvar.embedding_lookup(mine, ids), plain())
         goal = "<= 1.1x" if shards == 8 else "<= 1.2x"
@@ -77,7 +78,7 @@ def lookup_rows(args: argparse.Namespace, r: Callable) -> list[list[object]]:
         )
     )
     mine = ShardedVariable(
-        [c.clone() for c in shardvar.shard_tensor(table, Layout.mod(rows, 8)).variables], strategy="mod"
+        [c.clone() for c in shardvar.shard_tensor(table, Layout.mod(rows, 8)).variables], partition_strategy="mod"
     )
     target = table.clone()
     out.append(

@@ -78,7 +78,7 @@ def _convert(prefix: Path, data: Path, out: Path, shards: int, strategy: str, co
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS (VmHWM) := current RSS
     base = _status("VmRSS")
     start = time.perf_counter()
-    shardvar.tf.convert(prefix, out, {"emb": "emb"}, num_shards=shards, strategy=strategy)
+    shardvar.tf.convert(prefix, out, {"emb": "emb"}, partitioner=shards, partition_strategy=strategy)
     return time.perf_counter() - start, _status("VmHWM") - base
 
 

@@ -72,7 +72,7 @@ class Sizes:
 
 def _user_shards(s: Sizes, count: int) -> ShardedVariable:
     parts = shardvar.shard_tensor(s.table, Layout.mod(s.rows, count)).variables
-    return ShardedVariable([p.clone() for p in parts], strategy="mod")
+    return ShardedVariable([p.clone() for p in parts], partition_strategy="mod")
 
 
 def lookup_slab(s: Sizes) -> tuple[Step, Step]:

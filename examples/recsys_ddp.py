@@ -24,28 +24,9 @@ from torch import nn
 import shardvar
 from shardvar.cli import integer
 from shardvar.distributed import DistributedEmbedding
+from shardvar.workloads import Clicks  # the demo's synthetic clicks: Zipf ids, a hidden true model
 
 LAUNCH = "torchrun --nproc-per-node 2 examples/recsys_ddp.py --steps 200"
-
-
-def zipf(n: int, size: int, g: torch.Generator, exponent: float = 1.05) -> torch.Tensor:
-    weights = torch.arange(1, n + 1, dtype=torch.float64).pow(-exponent).float()
-    return torch.multinomial(weights, size, replacement=True, generator=g)
-
-
-class Clicks:
-    """Synthetic clicks: label ~ Bernoulli(sigmoid(true_user . true_item))."""
-
-    def __init__(self, users: int, items: int, dim: int = 8, seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.true_users = torch.randn(users, dim, generator=g)
-        self.true_items = torch.randn(items, dim, generator=g)
-        self.users, self.items = users, items
-
-    def batch(self, size: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        u, i = zipf(self.users, size, g), zipf(self.items, size, g)
-        p = torch.sigmoid((self.true_users[u] * self.true_items[i]).sum(1))
-        return u, i, torch.bernoulli(p, generator=g)
 
 
 class RecModel(nn.Module):
@@ -87,7 +68,7 @@ def main() -> None:
     model.mlp.to(device)
     mlp = nn.parallel.DistributedDataParallel(model.mlp)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    data = Clicks(args.users, args.items)
+    data = Clicks(args.users, args.items, seed=0)
     g = torch.Generator().manual_seed(1000 + rank)
     start, losses = time.perf_counter(), []
     for step in range(args.steps):

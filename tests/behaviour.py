@@ -257,27 +257,7 @@ LOCAL = {f.name: f for f in _local_families()}
 
 # (behaviour, family) -> why it fails today: each runs as a strict xfail. Delete a defect's line when
 # its fix merges (its cases then pass, and a strict xfail that passes is a failure).
-_ONE_RANK_ONLY = (
-    "issue 36.1: a distributed collection checks ids before its exchange on each rank alone: a bad id on rank 1 "
-    "raises on rank 1 only; rank 0 waits in the exchange, pairs with rank 1's next call and times out"
-)
-_ONE_RANK_INPUTS = (
-    "found by this suite: a distributed module checks ids' dtype, offsets and per-sample weights on each rank "
-    "alone, before its exchange: a bad one on rank 1 raises on rank 1 only; rank 0 waits in the exchange and times "
-    "out (in a longer run it pairs with rank 1's next call), as issue 36.1 for the id range of a collection"
-)
-_EVERY_DISTRIBUTED_BUT_QUANTIZED_POOLED = (
-    *("embedding", "quantized_embedding", "bag", "quantized_bag", "pooled", "sequence", "dynamic_embedding"),
-    *("pooled_placed", "sequence_placed", "embedding_sparse", "bag_sparse", "pooled_sparse", "sequence_sparse"),
-)
-KNOWN_DEFECTS: dict[tuple[str, str], str] = {
-    **{
-        ("bad_ids_one_rank", f"dist_{k}{v}"): _ONE_RANK_ONLY
-        for k in ("pooled", "sequence")
-        for v in ("", "_placed", "_sparse")
-    },
-    **{("bad_inputs_one_rank", f"dist_{k}"): _ONE_RANK_INPUTS for k in _EVERY_DISTRIBUTED_BUT_QUANTIZED_POOLED},
-}
+KNOWN_DEFECTS: dict[tuple[str, str], str] = {}
 
 
 def cases(behaviour: str, families: dict[str, Family]) -> list:

@@ -203,6 +203,8 @@ def _observe(behaviour: str, family: Family, rank: int, path: str) -> dict:
         batch["friend"] = batch["user"]
         return step(family, family.build("a"), batch)
     if behaviour == "save_load":
+        if refusal:
+            return _refused(lambda: family.save({"model": family.build("a").eval()}, f"{path}/{family.name}"))
         return _save_load(family, rank, path)
     raise AssertionError(f"no behaviour {behaviour!r}")
 

@@ -66,7 +66,7 @@ def test_training_goes_on_while_the_writer_is_blocked_and_the_snapshot_is_saved(
     shardvar.load({"m": other, "o": other_opt}, tmp_path / "c")
     assert torch.equal(other.weight.to_tensor(), snapshot)
     got = shardvar.read_shard(tmp_path / "c", "o/m/weight/exp_avg")
-    want = shardvar.ShardedVariable(moments, strategy="mod").to_tensor()
+    want = shardvar.ShardedVariable(moments, partition_strategy="mod").to_tensor()
     assert torch.equal(got, want)
 
 
@@ -155,7 +155,7 @@ def test_a_process_killed_during_the_background_write_leaves_the_previous_checkp
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(30)
     assert torch.equal(shardvar.read_shard(path, "v"), torch.ones(2000, 64))
-    v = shardvar.ShardedVariable([torch.zeros(1000, 64) for _ in range(2)], strategy="mod")
+    v = shardvar.ShardedVariable([torch.zeros(1000, 64) for _ in range(2)], partition_strategy="mod")
     shardvar.save({"v": v}, path)  # and the directory takes new saves
     assert torch.equal(shardvar.read_shard(path, "v"), torch.zeros(2000, 64))
     assert data_files(path) == shardvar.checkpoint.Manifest.read(path).files()  # the killed save's files went

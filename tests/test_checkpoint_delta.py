@@ -38,7 +38,7 @@ def assert_same(a: tuple, b: tuple) -> None:
     sums = [[s["sum"] for s in o.state.values()] for o in (a[1], b[1])]
     assert torch.equal(
         *(
-            shardvar.ShardedVariable(x, strategy=m[0].layout.strategy).to_tensor()
+            shardvar.ShardedVariable(x, partition_strategy=m[0].layout.strategy).to_tensor()
             for x, m in zip(sums, (a, b), strict=True)
         )
     )

@@ -76,8 +76,8 @@ def test_outputs_and_gradients_equal_separate_embedding_bags(mode, sparse, group
         torch.testing.assert_close(out[name], want, atol=1e-6, rtol=0)
         (want * torch.arange(want.numel()).reshape(want.shape)).sum().backward()
         got = shardvar.ShardedVariable(
-            [p.grad.to_dense() if sparse else p.grad for p in ebc.embedding_bags[name].shards],
-            strategy=ebc.embedding_bags[name].layout.strategy,
+            [p.grad.to_dense() if sparse else p.grad for p in ebc.embedding_bags[name].weight.variables],
+            partition_strategy=ebc.embedding_bags[name].layout.strategy,
         ).to_tensor()
         grad = bag.weight.grad.to_dense() if sparse else bag.weight.grad
         torch.testing.assert_close(got, grad, atol=1e-6, rtol=0)

@@ -58,8 +58,8 @@ def test_a_table_serves_its_features_as_one_bag_per_feature_over_its_rows(groupi
         bags = plain[ebc.feature_tables[f]](x, per_sample_weights=weights.get(f))
         (bags * (i + 1)).sum().backward()
     for t, bag in ebc.embedding_bags.items():
-        grads = [p.grad.to_dense() if sparse else p.grad for p in bag.shards]
-        got = shardvar.ShardedVariable(grads, strategy=bag.layout.strategy).to_tensor()
+        grads = [p.grad.to_dense() if sparse else p.grad for p in bag.weight.variables]
+        got = shardvar.ShardedVariable(grads, partition_strategy=bag.layout.strategy).to_tensor()
         torch.testing.assert_close(got, plain[t].weight.grad, atol=1e-5, rtol=0)
 
 

@@ -36,7 +36,7 @@ def test_tables_are_drawn_in_their_groups_allocation_as_their_own_constructors_d
         assert torch.equal(tables[k].weight.to_tensor(), table.weight.to_tensor()), k
     groups = {n: variable for names, variable in made._groups for n in names}
     for names in (["a", "c"], ["b", "d"]):  # each group's shards are the allocation they were drawn in
-        storages = {p.untyped_storage().data_ptr() for n in names for p in tables[n].shards}
+        storages = {p.untyped_storage().data_ptr() for n in names for p in tables[n].weight.variables}
         assert len(storages) == 1 and groups[names[0]] is groups[names[1]]
         assert groups[names[0]].store.full_slab.untyped_storage().data_ptr() in storages
 

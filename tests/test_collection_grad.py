@@ -43,5 +43,5 @@ def test_a_sparse_collection_hands_each_shard_the_distinct_rows_only() -> None:
     ebc = EmbeddingBagCollection({"a": TableConfig(50, 4, 2, "mod"), "b": TableConfig(30, 4)}, sparse=True)
     ids = {"a": torch.tensor([[1, 1, 3], [3, 1, 1]]), "b": torch.tensor([[2, 2, 2], [2, 5, 2]])}
     sum(v.sum() for v in ebc(ids).values()).backward()
-    nnz = [p.grad.coalesce()._nnz() for bag in ebc.embedding_bags.values() for p in bag.shards]
-    assert sum(p.grad._nnz() for bag in ebc.embedding_bags.values() for p in bag.shards) == sum(nnz) == 4
+    nnz = [p.grad.coalesce()._nnz() for bag in ebc.embedding_bags.values() for p in bag.weight.variables]
+    assert sum(p.grad._nnz() for bag in ebc.embedding_bags.values() for p in bag.weight.variables) == sum(nnz) == 4

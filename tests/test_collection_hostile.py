@@ -234,8 +234,8 @@ def test_any_keyed_jagged_batch_pools_and_trains_as_separate_embedding_bags(
     if out:
         sum((v * (i + 1)).sum() for i, v in enumerate(out.values())).backward()
     for t, bag in ebc.embedding_bags.items():
-        grads = [torch.zeros_like(p) if p.grad is None else p.grad.to_dense() for p in bag.shards]
-        got = shardvar.ShardedVariable(grads, strategy=bag.layout.strategy).to_tensor()
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad.to_dense() for p in bag.weight.variables]
+        got = shardvar.ShardedVariable(grads, partition_strategy=bag.layout.strategy).to_tensor()
         want = sum((plain[f].weight.grad for f in keys if ebc.feature_tables[f] == t), torch.zeros_like(got))
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
@@ -262,7 +262,20 @@ def test_any_keyed_jagged_batch_gives_each_ids_row_as_separate_embeddings(placem
     if out:
         sum((v.values * (i + 1)).pow(2).sum() for i, v in enumerate(out.values())).backward()
     for t, emb in ec.embeddings.items():
-        grads = [torch.zeros_like(p) if p.grad is None else p.grad.to_dense() for p in emb.shards]
-        got = shardvar.ShardedVariable(grads, strategy=emb.layout.strategy).to_tensor()
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad.to_dense() for p in emb.weight.variables]
+        got = shardvar.ShardedVariable(grads, partition_strategy=emb.layout.strategy).to_tensor()
         want = sum((plain[f].weight.grad for f in keys if ec.feature_tables[f] == t), torch.zeros_like(got))
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["items", "keys", "values", "training", "forward", "update", "_modules"])
+@pytest.mark.parametrize("collection", [EmbeddingBagCollection, EmbeddingCollection])
+def test_a_table_named_as_a_moduledict_attribute_is_refused_by_name(collection, name) -> None:
+    # torch's ModuleDict keeps tables as attributes beside its own (items, keys, training, ...).
+    with pytest.raises(shardvar.ShardvarValueError, match=rf"table name '{name}' is an attribute of torch's ModuleDict"):
+        collection({name: TableConfig(10, 4)})
+
+
+def test_a_feature_may_keep_a_name_its_table_cannot() -> None:
+    ebc = EmbeddingBagCollection({"item_table": TableConfig(10, 4, feature_names=["items"])})
+    assert ebc({"items": torch.tensor([[1, 2]])})["items"].shape == (1, 4)

@@ -66,7 +66,8 @@ def test_rows_and_gradients_equal_separate_embeddings(grouping, sparse) -> None:
     loss.backward()
     for t, emb in ec.embeddings.items():
         got = shardvar.ShardedVariable(
-            [p.grad.to_dense() if sparse else p.grad for p in emb.shards], strategy=emb.layout.strategy
+            [p.grad.to_dense() if sparse else p.grad for p in emb.weight.variables],
+            partition_strategy=emb.layout.strategy,
         ).to_tensor()
         want = plain[t].weight.grad
         torch.testing.assert_close(got, want.to_dense() if sparse else want, atol=1e-5, rtol=0)

@@ -24,7 +24,7 @@ def lookup_shards(case: dict) -> list[torch.Tensor]:
 @pytest.mark.parametrize("case", conformance_cases("lookup.json"))
 def test_lookup_case(case: dict, as_variable: bool) -> None:
     shards = lookup_shards(case)
-    params = shardvar.ShardedVariable(shards, strategy=case["strategy"]) if as_variable else shards
+    params = shardvar.ShardedVariable(shards, partition_strategy=case["strategy"]) if as_variable else shards
     strategy = None if as_variable else case["strategy"]
     if case.get("sparse"):
         n = len(case["ids"])

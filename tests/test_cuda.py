@@ -32,7 +32,7 @@ def test_slab_lookups_bags_and_scatter_on_the_gpu(strategy) -> None:
 
 def test_user_shards_on_the_gpu_are_moved_into_one_slab() -> None:
     shards = [torch.randn(100, 8, device="cuda") for _ in range(4)]
-    v = ShardedVariable(shards, strategy="div")
+    v = ShardedVariable(shards, partition_strategy="div")
     assert v.store.full_slab is not None and all(a is b for a, b in zip(v.variables, shards, strict=True))
 
 

@@ -187,7 +187,7 @@ def test_quantized_bag_on_the_gpu_equals_its_cpu_twin() -> None:
 def test_dynamic_table_on_the_gpu() -> None:
     def run(device: str) -> dict[str, torch.Tensor]:
         torch.manual_seed(0)
-        emb = shardvar.DynamicEmbedding(8, capacity=64, num_shards=2, devices=[device, device])
+        emb = shardvar.DynamicEmbedding(8, capacity=64, partitioner=2, devices=[device, device])
         opt = torch.optim.SGD(emb.parameters(), lr=0.5)
         g = torch.Generator().manual_seed(3)
         out = {}

@@ -72,7 +72,7 @@ def _loose(rows: int = 9, width: int = 3):
     from shardvar import ShardedVariable
 
     a, b = torch.randn(rows, width), torch.randn(rows, width)
-    v = ShardedVariable([a[0::2].requires_grad_(), b[1::2].requires_grad_()], strategy="mod")
+    v = ShardedVariable([a[0::2].requires_grad_(), b[1::2].requires_grad_()], partition_strategy="mod")
     assert v.store.full_slab is None
     return v
 

@@ -84,6 +84,6 @@ def test_two_hosts_train_like_one_process(tmp_path: Path, two_hosts) -> None:
     for rank, r in enumerate(results):
         torch.testing.assert_close(r["first"], firsts[rank], atol=1e-6, rtol=0)
     parts = {s: t for r in results for s, t in r["shards"].items()}
-    logical = shardvar.ShardedVariable([parts[s] for s in range(3)], strategy="mod").to_tensor()
+    logical = shardvar.ShardedVariable([parts[s] for s in range(3)], partition_strategy="mod").to_tensor()
     torch.testing.assert_close(logical, table, atol=1e-6, rtol=0)
     assert logical.shape[0] == ROWS

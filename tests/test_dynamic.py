@@ -90,7 +90,7 @@ def test_count_admission_reads_default_without_gradient_until_admitted() -> None
             assert torch.equal(out, torch.zeros(3, 4)) and not out.requires_grad
         if step == 1:  # 11 admitted (seen 3 times), 10 not: only 11's row gets a gradient
             out.sum().backward()
-            grad = emb.table.shards[0].grad
+            grad = emb.table.weight.variables[0].grad
             assert grad[int(emb.slots.find(torch.tensor([11]))[0])].eq(2).all() and int(grad.ne(0).any(1).sum()) == 1
 
 
@@ -120,7 +120,7 @@ def test_bag_equals_embedding_bag_over_remapped_ids(mode: str) -> None:
         out_d.sum().backward()
         out_r.sum().backward()
     keys = dyn.held_ids()
-    grads = torch.cat([p.grad for p in dyn.table.shards])[dyn.slots.find(keys)[0]]
+    grads = torch.cat([p.grad for p in dyn.table.weight.variables])[dyn.slots.find(keys)[0]]
     torch.testing.assert_close(grads, bag.weight.grad[torch.searchsorted(id_map, keys)])
 
 
@@ -139,7 +139,7 @@ def test_attached_optimizer_gives_reused_rows_fresh_state() -> None:
         emb(torch.tensor(ids)).sum().backward()
         opt.step()
     slot = int(emb.slots.find(torch.tensor([3]))[0])
-    state = opt.state[emb.table.shards[0]]
+    state = opt.state[emb.table.weight.variables[0]]
     # the row's moments hold only the one step of id 3: a fresh row's first step
     fresh_m = 0.1 * torch.ones(4)  # (1 - beta1) * grad, grad = 1
     torch.testing.assert_close(state["exp_avg"][slot], fresh_m)
@@ -155,7 +155,7 @@ def test_without_attach_a_reused_row_keeps_stale_state() -> None:
         emb(torch.tensor(ids)).sum().backward()
         opt.step()
     slot = int(emb.slots.find(torch.tensor([3]))[0])
-    assert not torch.allclose(opt.state[emb.table.shards[0]]["momentum_buffer"][slot], torch.ones(4))
+    assert not torch.allclose(opt.state[emb.table.weight.variables[0]]["momentum_buffer"][slot], torch.ones(4))
 
 
 @pytest.mark.parametrize("attach", [True, False])
@@ -193,7 +193,7 @@ def test_bad_input_raises_and_changes_nothing() -> None:
     with pytest.raises(ShardvarTypeError, match="integer"):
         emb(torch.tensor([1.5]), torch.tensor([0]))
     assert torch.equal(emb.slots.meta, meta)
-    with pytest.raises(ShardvarValueError, match="num_shards"):
+    with pytest.raises(ShardvarValueError, match="partitioner=3 shards exceeds capacity=2"):
         DynamicEmbedding(4, 2, 3)
     with pytest.raises(ShardvarTypeError, match="eviction"):
         DynamicEmbedding(4, 2, eviction="fifo")

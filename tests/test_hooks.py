@@ -25,6 +25,9 @@ class Source:
     def rows(self, store: ShardStore, ids: torch.Tensor, *, sparse: bool, max_norm: float | None, norm_type: float):
         return store.full_slab.index_select(0, store.slab_rows(ids))
 
+    def refuse(self, error: Exception):
+        raise error
+
 
 def _store() -> ShardStore:
     return ShardStore.allocate(Layout.mod(8, 2), (8, 3), torch.float32, values=torch.arange(24.0).view(8, 3))

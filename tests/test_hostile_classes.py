@@ -98,8 +98,8 @@ DEVICE_ENTRY_POINTS = {
     "ShardedEmbeddingBag(devices)": lambda w, d: shardvar.ShardedEmbeddingBag(4, 2, partitioner=2, devices=[d, "cpu"]),
     "ShardedLinear(device)": lambda w, d: shardvar.ShardedLinear(4, 2, device=d),
     "ShardedLinear(devices)": lambda w, d: shardvar.ShardedLinear(4, 2, partitioner=2, devices=["cpu", d]),
-    "DynamicEmbedding(devices)": lambda w, d: shardvar.DynamicEmbedding(2, 8, num_shards=2, devices=[d, "cpu"]),
-    "DynamicEmbeddingBag(devices)": lambda w, d: shardvar.DynamicEmbeddingBag(2, 8, num_shards=2, devices=[d, "cpu"]),
+    "DynamicEmbedding(devices)": lambda w, d: shardvar.DynamicEmbedding(2, 8, partitioner=2, devices=[d, "cpu"]),
+    "DynamicEmbeddingBag(devices)": lambda w, d: shardvar.DynamicEmbeddingBag(2, 8, partitioner=2, devices=[d, "cpu"]),
     "partitioned_call": lambda w, d: shardvar.partitioned_call(lambda x: x, torch.ones(4), devices=[d]),
     "StatefulPartitionedCall": lambda w, d: shardvar.StatefulPartitionedCall(lambda x, s: x, [{"a": torch.ones(1)}], devices=[d]),
 }  # fmt: skip

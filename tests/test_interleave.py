@@ -132,7 +132,7 @@ def test_a_fused_optimizer_lays_equal_mod_tables_row_by_row_and_trains_the_same(
     handle = so.fuse(fused_opt)
     tables = fused.embedding_bags
     assert [k for k, t in tables.items() if t.store.interleaved] == ["a", "e"]
-    assert tables["a"].shards[1].stride() == (8 * DIM, 1) and tables["a"].store.row_order is RowOrder.LOGICAL
+    assert tables["a"].weight.variables[1].stride() == (8 * DIM, 1) and tables["a"].store.row_order is RowOrder.LOGICAL
     assert tables["c"].store.row_order is RowOrder.STORAGE  # unequal shards stay back to back
     assert all(torch.equal(before[k], v) for k, v in _tables(fused).items())  # the same table, rows moved
     batches = _batches()
@@ -147,7 +147,7 @@ def test_a_fused_optimizer_lays_equal_mod_tables_row_by_row_and_trains_the_same(
     trained = _tables(fused)
     handle.remove()
     assert not any(t.store.interleaved for t in tables.values())
-    assert all(p.is_contiguous() for t in tables.values() for p in t.shards)
+    assert all(p.is_contiguous() for t in tables.values() for p in t.weight.variables)
     assert all(torch.equal(trained[k], v) for k, v in _tables(fused).items())
 
 
@@ -183,8 +183,8 @@ def test_a_table_left_out_of_the_fused_optimizer_gets_its_gradient_beside_interl
             sum(v.pow(2).sum() for v in model(ids, offsets).values()).backward()
         plain_opt.step()
         for k in "bcd":  # not in the optimizer: gradients, as without fusing
-            got = [p.grad.to_dense() for p in fused.embedding_bags[k].shards]
-            want = [p.grad.to_dense() for p in plain.embedding_bags[k].shards]
+            got = [p.grad.to_dense() for p in fused.embedding_bags[k].weight.variables]
+            want = [p.grad.to_dense() for p in plain.embedding_bags[k].weight.variables]
             assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
     for k in names:
         torch.testing.assert_close(_tables(fused)[k], _tables(plain)[k], atol=1e-6, rtol=0)
@@ -241,23 +241,23 @@ def test_rows_stay_put_where_a_tensor_of_someone_else_holds_them() -> None:
     # The user's tensor the shards were cut from: its rows must not move under it.
     whole = torch.randn(64, DIM)
     before = whole.clone()
-    v = shardvar.ShardedVariable([torch.randn(8, DIM, requires_grad=True) for _ in range(8)], strategy="mod")
-    cut = shardvar.ShardedVariable(list(whole.split(8)), strategy="mod")
+    v = shardvar.ShardedVariable([torch.randn(8, DIM, requires_grad=True) for _ in range(8)], partition_strategy="mod")
+    cut = shardvar.ShardedVariable(list(whole.split(8)), partition_strategy="mod")
     assert v.store.row_order is cut.store.row_order is RowOrder.STORAGE
     h = so.fuse(so.RowWiseAdagrad([("v", v)], lr=0.1))
     assert v.store.interleaved  # its own memory (adopted): laid row by row
     h.remove()
     views = [p.requires_grad_() for p in whole.split(8)]  # leaves over the user's tensor
-    table = shardvar.ShardedVariable(views, strategy="mod")
+    table = shardvar.ShardedVariable(views, partition_strategy="mod")
     h = so.fuse(so.RowWiseAdagrad([("t", table)], lr=0.1))
     assert not table.store.interleaved and torch.equal(whole, before)
     h.remove()
     model = _collection()
-    snapshot = [p.detach() for p in model.embedding_bags["a"].shards]  # views of table a's shards
+    snapshot = [p.detach() for p in model.embedding_bags["a"].weight.variables]  # views of table a's shards
     h = so.fuse(so.RowWiseAdagrad(model, lr=0.1))
     assert not model.embedding_bags["a"].store.interleaved  # its memory is the whole group's: none moves
     assert not model.embedding_bags["e"].store.interleaved
-    assert all(torch.equal(x, p) for x, p in zip(snapshot, model.embedding_bags["a"].shards, strict=True))
+    assert all(torch.equal(x, p) for x, p in zip(snapshot, model.embedding_bags["a"].weight.variables, strict=True))
     h.remove()
 
 
@@ -298,7 +298,7 @@ def test_remove_moves_viewed_rows_to_new_memory_and_warns_while_a_backward_is_pe
     before = {k: v.clone() for k, v in kept.items()}
     handle.remove()  # the suite turns warnings into errors: none here
     assert not model.embedding_bags["a"].store.interleaved
-    assert all(p.is_contiguous() for p in model.embedding_bags["a"].shards)
+    assert all(p.is_contiguous() for p in model.embedding_bags["a"].weight.variables)
     assert all(torch.equal(kept[k], v) for k, v in before.items())  # the view kept its values
     handle = so.fuse(so.RowWiseAdagrad(model, lr=0.1))
     out = model(_batches(1)[0], dict.fromkeys("abcde", torch.arange(0, 24, 4)))  # its backward maps rows as they lie
@@ -308,4 +308,4 @@ def test_remove_moves_viewed_rows_to_new_memory_and_warns_while_a_backward_is_pe
     sum(v.sum() for v in out.values()).backward()
     so.fuse(so.RowWiseAdagrad(model, lr=0.1)).remove()  # as the warning says: fused and removed again
     assert not model.embedding_bags["a"].store.interleaved
-    assert all(p.is_contiguous() for p in model.embedding_bags["a"].shards)
+    assert all(p.is_contiguous() for p in model.embedding_bags["a"].weight.variables)

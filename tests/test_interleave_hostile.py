@@ -69,7 +69,7 @@ def test_a_backward_pending_across_remove_trains_as_without_fusing(cls, sparse) 
     for name, value in plain_opt.state_dict()["state"].items():
         torch.testing.assert_close(fused_opt.state_dict()["state"][name], value, atol=1e-6, rtol=0)
     so.fuse(fused_opt).remove()  # a later handle lays them back to back
-    assert not fused.store.interleaved and all(p.is_contiguous() for p in fused.shards)
+    assert not fused.store.interleaved and all(p.is_contiguous() for p in fused.weight.variables)
 
 
 def test_remove_lays_shards_back_to_back_in_new_memory_when_a_view_holds_theirs() -> None:
@@ -77,11 +77,11 @@ def test_remove_lays_shards_back_to_back_in_new_memory_when_a_view_holds_theirs(
     opt = so.RowWiseAdagrad(model, lr=0.1)
     handle = so.fuse(opt)
     assert model.store.interleaved
-    held = model.shards[1].detach()  # the user's view of shard 1
+    held = model.weight.variables[1].detach()  # the user's view of shard 1
     values, table = held.clone(), _weight(model)
     handle.remove()
     assert torch.equal(held, values) and torch.equal(_weight(model), table)  # nothing scrambled
-    assert not model.store.interleaved and all(p.is_contiguous() for p in model.shards)
+    assert not model.store.interleaved and all(p.is_contiguous() for p in model.weight.variables)
     torch_opt = torch.optim.SparseAdam(list(model.parameters()), lr=0.01)  # needs contiguous shards
     model(torch.arange(0, 4096, 2), torch.arange(0, 2048, 8)).sum().backward()
     torch_opt.step()

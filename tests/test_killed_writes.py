@@ -38,7 +38,7 @@ if kind == "save":
     v = shardvar.shard_tensor(table, shardvar.Layout.balanced("div", table.shape[0], 3))
     shardvar.save({"v": v}, out, progress=progress)
 else:
-    shardvar.tf.convert(src, out, {"t": "v"}, num_shards=3, strategy=kind, progress=progress)
+    shardvar.tf.convert(src, out, {"t": "v"}, partitioner=3, partition_strategy=kind, progress=progress)
 """
 
 
@@ -47,7 +47,7 @@ def _write(kind: str, src: Path, out: Path) -> None:
         table = torch.from_numpy(np.load(src))
         shardvar.save({"v": shardvar.shard_tensor(table, shardvar.Layout.balanced("div", len(table), 3))}, out)
     else:
-        shardvar.tf.convert(src, out, {"t": "v"}, num_shards=3, strategy=kind)
+        shardvar.tf.convert(src, out, {"t": "v"}, partitioner=3, partition_strategy=kind)
 
 
 def _kill_mid_write(kind: str, src: Path, out: Path, tmp_path: Path) -> list[str]:

@@ -21,7 +21,7 @@ def tables(draw):
     slab = draw(st.booleans())
     v = shardvar.shard_tensor(table, layout)
     if not slab:
-        v = ShardedVariable([s.clone() for s in v.variables], strategy=layout.strategy)
+        v = ShardedVariable([s.clone() for s in v.variables], partition_strategy=layout.strategy)
     return v, table
 
 

@@ -28,11 +28,11 @@ def tables(draw, dtypes=(torch.float64,)):
         v = shardvar.shard_tensor(full, layout, requires_grad=True)
     elif kind == "user":  # allocated one by one: moved into one slab, identity kept
         shards = [torch.nn.Parameter(p.clone()) for p in layout.split(full)]
-        v = ShardedVariable(shards, strategy=strategy)
+        v = ShardedVariable(shards, partition_strategy=strategy)
         assert all(a is b for a, b in zip(v.variables, shards, strict=True))
     else:  # views of someone else's tensor: never moved, read shard by shard
         base = full.clone().requires_grad_()
-        v = ShardedVariable([p for p in layout.split(base)], strategy=strategy)
+        v = ShardedVariable([p for p in layout.split(base)], partition_strategy=strategy)
         full = base
     return v, full, kind
 

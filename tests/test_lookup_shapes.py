@@ -29,7 +29,7 @@ def sharded(draw, min_rank: int = 1):
     layout = LAYOUTS[draw(st.sampled_from(sorted(LAYOUTS)))](rows, draw(st.integers(1, 4)))
     v = shardvar.shard_tensor(table, layout)
     if draw(st.booleans()):
-        v = ShardedVariable([s.clone() for s in v.variables], strategy=layout.strategy)
+        v = ShardedVariable([s.clone() for s in v.variables], partition_strategy=layout.strategy)
     return v, table
 
 
@@ -61,7 +61,7 @@ def test_lookup_shape_is_ids_shape_plus_row_shape(pair, ids_shape, max_norm, dat
 @pytest.mark.parametrize("strategy", ["div", "mod"])
 def test_zero_d_ids_on_one_d_params_give_a_zero_d_result(ids, strategy) -> None:
     shards = [torch.tensor([0.0, 1.0, 2.0]), torch.tensor([3.0, 4.0])]
-    table = ShardedVariable(shards, strategy=strategy).to_tensor()
+    table = ShardedVariable(shards, partition_strategy=strategy).to_tensor()
     got = shardvar.embedding_lookup(shards, ids, partition_strategy=strategy)
     assert got.shape == () and got == table[3]
 

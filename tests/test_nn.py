@@ -41,11 +41,11 @@ def test_embedding_matches_nn_embedding(partitioner, strategy, kwargs) -> None:
 def test_gradients_reach_exactly_the_shards_read() -> None:
     emb = shardvar.ShardedEmbedding(20, 4, partitioner=4, sparse=True)
     emb(torch.tensor([0, 1, 16])).sum().backward()
-    nnz = [p.grad.coalesce().values().shape[0] for p in emb.shards]
+    nnz = [p.grad.coalesce().values().shape[0] for p in emb.weight.variables]
     assert nnz == [2, 0, 0, 1]
     dense = shardvar.ShardedEmbedding(20, 4, partitioner=4, partition_strategy="mod")
     dense(torch.tensor([4, 8])).sum().backward()
-    touched = [bool(p.grad.abs().sum() > 0) for p in dense.shards]
+    touched = [bool(p.grad.abs().sum() > 0) for p in dense.weight.variables]
     assert touched == [True, False, False, False]
 
 
@@ -81,7 +81,7 @@ def test_max_bags_with_sparse_gradients_equal_dense_ones() -> None:
     ids, offsets = torch.tensor([1, 2, 4, 19, 4]), torch.tensor([0, 3])
     dense(ids, offsets).sum().backward()
     sparse(ids, offsets).sum().backward()
-    assert all(p.grad.is_sparse for p in sparse.shards)
+    assert all(p.grad.is_sparse for p in sparse.weight.variables)
     torch.testing.assert_close(grad_of(sparse), grad_of(dense))
 
 

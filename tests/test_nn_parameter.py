@@ -226,7 +226,7 @@ def test_deepcopy_and_dtype_conversions_keep_the_shards_working(kind) -> None:
 
 
 def test_a_variable_built_outside_a_module_becomes_its_parameter_under_a_new_name() -> None:
-    v = shardvar.ShardedVariable([nn.Parameter(torch.randn(3, 2)), nn.Parameter(torch.randn(2, 2))], strategy="mod")
+    v = shardvar.ShardedVariable([nn.Parameter(torch.randn(3, 2)), nn.Parameter(torch.randn(2, 2))], partition_strategy="mod")
     m = nn.Module()
     shardvar.shard_parameter(m, "table", v)
     assert [id(p) for p in m.parameters()] == [id(p) for p in v.variables]

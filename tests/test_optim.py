@@ -236,7 +236,7 @@ def test_every_table_is_checked_before_any_changes() -> None:
     before = a.weight.to_tensor().clone()
     b(torch.tensor([1])).sum().backward()
     bad = torch.sparse_coo_tensor(torch.tensor([[9]]), torch.ones(1, DIM), (5, DIM), check_invariants=False)
-    b.shards[0].grad = bad  # a row outside the shard: found while planning, before any update
+    b.weight.variables[0].grad = bad  # a row outside the shard: found while planning, before any update
     with pytest.raises(IndexError, match=r"shard 0 has a sparse gradient for rows 9\.\.9, outside its 5 rows"):
         opt.step()
     assert torch.equal(a.weight.to_tensor(), before) and int(opt.tables[0].step) == 0

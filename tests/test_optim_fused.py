@@ -44,7 +44,7 @@ def test_fused_updates_equal_step(name, sparse) -> None:
         opt.step()
         opt.zero_grad()
         fused(ids).pow(2).sum().backward()  # updated during backward
-        assert all(p.grad is None for p in fused.shards)  # no gradient is kept
+        assert all(p.grad is None for p in fused.weight.variables)  # no gradient is kept
         fused_opt.step()  # nothing left to do
     torch.testing.assert_close(fused.weight.to_tensor(), plain.weight.to_tensor(), atol=1e-6, rtol=0)
     assert int(fused_opt.tables[0].step) == int(opt.tables[0].step) == 6
@@ -90,7 +90,7 @@ def test_fusing_twice_is_refused_and_remove_restores_step() -> None:
         so.fuse(torch.optim.SGD(m.parameters(), lr=0.1))
     handle.remove()
     m(torch.tensor([1])).sum().backward()
-    assert m.shards[1].grad is not None  # kept again until step()
+    assert m.weight.variables[1].grad is not None  # kept again until step()
     before = m.weight.to_tensor().clone()
     opt.step()
     assert not torch.equal(m.weight.to_tensor(), before)

@@ -89,7 +89,7 @@ def test_every_tf_optimizer_has_a_source() -> None:
 def test_the_tf_converter_names_slots_by_slot_name_and_they_load(tmp_path: Path, name: str) -> None:
     kind, variable, shape = TF_SOURCES[name]
     spec = TF_OPTIMIZERS[name]
-    done = convert(DATA / kind, tmp_path, {variable: "t/weight"}, num_shards=2, optimizer=name, optimizer_key="o")
+    done = convert(DATA / kind, tmp_path, {variable: "t/weight"}, partitioner=2, optimizer=name, optimizer_key="o")
     states = {spec.states[k.split("/.ATTRIBUTES")[0].rsplit("/", 1)[-1]] for k in done.slots}
     assert sorted(done.slots.values()) == sorted(slot_name("o", "t/weight", s) for s in states)
     manifest = Manifest.read(tmp_path)

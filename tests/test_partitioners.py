@@ -122,7 +122,7 @@ def test_every_partitioner_gives_a_valid_layout(shape, n, nbytes, dtype) -> None
 
 def test_layout_from_partitioner() -> None:
     assert FixedShardsPartitioner(4).layout((10, 3), "float32") == Layout("div", (3, 3, 2, 2))
-    assert FixedShardsPartitioner(4).layout((10, 3), "float32", strategy="mod") == Layout("mod", (3, 3, 2, 2))
+    assert FixedShardsPartitioner(4).layout((10, 3), "float32", partition_strategy="mod") == Layout("mod", (3, 3, 2, 2))
     assert fixed_size_partitioner(2, axis=1).layout((10, 3)) == Layout("div", (2, 1), axis=1)
 
 

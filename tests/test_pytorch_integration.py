@@ -52,9 +52,9 @@ def test_torch_func_grad_vmap_and_double_backward(parts, strategy) -> None:
     layout = shardvar.Layout.balanced(strategy, 40, parts)
     torch.testing.assert_close(layout.join([grads[f"shard_{s}"] for s in range(parts)]), want)
     torch.testing.assert_close(vmap(sharded)(ids), ref(ids))
-    (g,) = torch.autograd.grad(sharded(ids).pow(2).sum(), [sharded.shards[0]], create_graph=True)
+    (g,) = torch.autograd.grad(sharded(ids).pow(2).sum(), [sharded.weight.variables[0]], create_graph=True)
     g.sum().backward()  # double backward, as F.embedding's
-    assert sharded.shards[0].grad is not None
+    assert sharded.weight.variables[0].grad is not None
 
 
 def test_ddp_with_sparse_gradients_trains_as_nn_embedding(tmp_path) -> None:
@@ -70,7 +70,7 @@ def test_deepcopy_dtype_and_device_moves() -> None:
     clone = copy.deepcopy(model)
     torch.testing.assert_close(clone(ids), out)
     with torch.no_grad():
-        clone[0].shards[0].add_(1)
+        clone[0].weight.variables[0].add_(1)
     torch.testing.assert_close(model(ids), out)  # the copy owns its own shards
     double = copy.deepcopy(model).to(torch.float64)
     assert double[0].weight.dtype == torch.float64 and double[0].store.full_slab is not None

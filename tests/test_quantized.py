@@ -210,7 +210,7 @@ def test_max_norm_rows_are_packed_as_the_float_lookup_leaves_them() -> None:
 def test_a_slab_in_shard_order_maps_the_ids() -> None:
     bag = _bag(mode="sum")  # 3 mod shards, here packed back to back in shard order (as a rank's shards lie)
     fmt = row_format(torch.quint8)
-    slab = fmt.pack(torch.cat([p.detach() for p in bag.shards]))
+    slab = fmt.pack(torch.cat([p.detach() for p in bag.weight.variables]))
     q = QuantizedEmbeddingBag(40, 8, bag.layout, fmt, dict(enumerate(slab.split(list(bag.layout.sizes)))), mode="sum")
     assert q.store.full_slab is not None and not q.store.logical_slab
     ids = torch.randint(0, 40, (5, 4))

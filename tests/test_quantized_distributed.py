@@ -44,7 +44,7 @@ def _check(dtype: str, shards: int, strategy: str, results: list[dict], float_ow
         torch.testing.assert_close(r["out"], reference(**batch(rank)), atol=1e-6, rtol=0)
         torch.testing.assert_close(r["rows"], rows_reference(batch(rank)["input"].reshape(3, 4)), atol=0, rtol=0)
         assert r["calls"] == {"all_to_all": 3}  # split sizes, ids, packed rows: bytes, not floats
-        assert "rank(s) [1] passed ids outside it" in r["bad_id_error"]
+        assert r["bad_id_error"] == f"rank 1: ids must be in [0, {ROWS}); got {ROWS} at position 1", r
     assert sum(r["nbytes"] for r in results) == reference.nbytes
 
 

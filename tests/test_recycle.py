@@ -56,7 +56,7 @@ def test_copies_start_empty() -> None:
 def _loose(rows: int = 1 << 15, width: int = 32) -> ShardedVariable:
     """Mod shards that are views of two tensors: no full slab, so lookups fetch rows."""
     a, b = torch.randn(rows, width), torch.randn(rows, width)
-    v = ShardedVariable([a[0::2].requires_grad_(), b[1::2].requires_grad_()], strategy="mod")
+    v = ShardedVariable([a[0::2].requires_grad_(), b[1::2].requires_grad_()], partition_strategy="mod")
     assert v.store.full_slab is None
     return v
 

@@ -30,7 +30,7 @@ def variables(draw, min_rows: int = 0):
     separate = draw(st.booleans())  # separately allocated shards, or one slab
     if separate:
         shards = [full.index_select(axis, layout.shard_ids(s)).clone() for s in range(layout.num_shards)]
-        v = ShardedVariable(shards, strategy=layout.strategy, axis=axis)
+        v = ShardedVariable(shards, partition_strategy=layout.strategy, axis=axis)
     else:
         v = shardvar.shard_tensor(full, layout)
     return v, full
@@ -211,7 +211,7 @@ def test_acts_as_a_tensor() -> None:
 
 def test_materialising_is_differentiable() -> None:
     shards = [torch.ones(2, 2, requires_grad=True), torch.ones(3, 2, requires_grad=True)]
-    v = ShardedVariable(shards, strategy="div")
+    v = ShardedVariable(shards, partition_strategy="div")
     (v.to_tensor() * torch.arange(5.0).unsqueeze(1)).sum().backward()
     assert shards[1].grad[:, 0].tolist() == [2.0, 3.0, 4.0]
     v[torch.tensor([4, 0])].sum().backward()
@@ -273,11 +273,11 @@ def test_only_touched_shards_are_read(key) -> None:
         (lambda: ShardedVariable([torch.ones(2, 3), torch.ones(2, 4)]), ValueError, "same shape except along axis 0"),
         (lambda: ShardedVariable([torch.ones(2, 3), torch.ones(3)]), ValueError, "same number"),
         (
-            lambda: ShardedVariable([torch.ones(2), torch.ones(3)], strategy="mod"),
+            lambda: ShardedVariable([torch.ones(2), torch.ones(3)], partition_strategy="mod"),
             ValueError,
             r"must have sizes \[3, 2\]",
         ),
-        (lambda: ShardedVariable([torch.ones(2)], strategy="round-robin"), ValueError, "unknown partition strategy"),
+        (lambda: ShardedVariable([torch.ones(2)], partition_strategy="round-robin"), ValueError, "unknown partition strategy"),
         (lambda: ShardedVariable([torch.ones(2)], axis=1), ValueError, "axis 1 is out of range"),
     ],
 )
@@ -365,13 +365,13 @@ def test_shards_on_the_slab_share_memory_and_fall_back_when_not() -> None:
     v = shardvar.shard_tensor(torch.arange(10.0).reshape(5, 2), Layout.mod(5, 2))
     assert v.store.full_slab is not None
     clones = [s.clone() for s in v.variables]
-    w = ShardedVariable(clones, strategy="mod")
+    w = ShardedVariable(clones, partition_strategy="mod")
     assert w.store.full_slab is not None and all(a is b for a, b in zip(w.variables, clones, strict=True))
     base = torch.arange(10.0).reshape(5, 2)
-    tiled = ShardedVariable([base[0::2], base[1::2]], strategy="mod")  # views tiling base row by row: base is the slab
+    tiled = ShardedVariable([base[0::2], base[1::2]], partition_strategy="mod")  # views tiling base row by row: base is the slab
     assert tiled.store.full_slab is not None and tiled.store.full_slab.data_ptr() == base.data_ptr()
     other = torch.arange(10.0).reshape(5, 2)
-    x = ShardedVariable([base[0::2], other[1::2]], strategy="mod")  # views of two tensors: read shard by shard
+    x = ShardedVariable([base[0::2], other[1::2]], partition_strategy="mod")  # views of two tensors: read shard by shard
     assert x.store.full_slab is None
     ids = torch.tensor([4, 0, 3])
     torch.testing.assert_close(v.sparse_read(ids), w.sparse_read(ids))

@@ -83,7 +83,7 @@ def test_split_gradient_is_coalesced_and_equals_the_unsharded_one(
 ) -> None:
     strategy = "mod" if how == "interleaved" else ("div", "mod")[per % 2]
     sizes = [per] * n if how == "interleaved" else [per + (k < per % n) for k in range(n)]
-    var = ShardedVariable(_shards(how, strategy, sizes, 3, dtype), strategy=strategy)
+    var = ShardedVariable(_shards(how, strategy, sizes, 3, dtype), partition_strategy=strategy)
     store, rows = var.store, sum(sizes)
     ids = torch.tensor([d % rows for d in draws], dtype=torch.int64)
     if coalesced_in:  # a collection's summed gradient: distinct ids, ascending
@@ -118,7 +118,7 @@ def test_a_gradient_coalesce_cannot_sum_is_split_as_it_came() -> None:
 @pytest.mark.parametrize("how", ["interleaved", "back to back"])
 def test_a_differentiable_gradient_stays_differentiable(how: str) -> None:
     # A double backward hands in values that need their own gradient: the sums stay in the graph.
-    var = ShardedVariable(_shards(how, "mod", [3, 3], 2, torch.float64), strategy="mod")
+    var = ShardedVariable(_shards(how, "mod", [3, 3], 2, torch.float64), partition_strategy="mod")
     ids = torch.tensor([4, 1, 4, 0])
     values = torch.randn(4, 2, dtype=torch.float64, requires_grad=True)
     _, row = var.store.route(ids)

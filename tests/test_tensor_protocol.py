@@ -194,7 +194,7 @@ def test_conversions_give_the_logical_tensor() -> None:
 
 def test_logical_gradient() -> None:
     layout = Layout.mod(10, 3)
-    v = ShardedVariable([torch.zeros(n, 2, requires_grad=True) for n in layout.sizes], strategy="mod")
+    v = ShardedVariable([torch.zeros(n, 2, requires_grad=True) for n in layout.sizes], partition_strategy="mod")
     assert v.grad is None
     shardvar.embedding_lookup(v, torch.tensor([1, 1, 7])).sum().backward()
     want = torch.zeros(10, 2)

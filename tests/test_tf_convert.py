@@ -25,7 +25,7 @@ def _expected(kind: str) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("strategy", ["div", "mod"])
 def test_partitioned_variable_loads_into_a_sharded_embedding(tmp_path: Path, strategy: str) -> None:
-    done = convert(DATA / "saver_v1", tmp_path / "out", {"emb": "model/weight"}, num_shards=3, strategy=strategy)
+    done = convert(DATA / "saver_v1", tmp_path / "out", {"emb": "model/weight"}, partitioner=3, partition_strategy=strategy)
     assert done.variables == {"emb": "model/weight"} and "big" in done.skipped
     manifest = Manifest.read(tmp_path / "out")
     assert manifest.variables["model/weight"].layout == shardvar.Layout.balanced(strategy, 10, 3)
@@ -37,7 +37,7 @@ def test_partitioned_variable_loads_into_a_sharded_embedding(tmp_path: Path, str
 def test_sharded_variable_and_axis1_partitions_load_into_a_collection(tmp_path: Path) -> None:
     expected_v1, expected_v2 = _expected("saver_v1"), _expected("checkpoint_v2_adam")
     convert(DATA / "checkpoint_v2_adam", tmp_path / "a", {"model/emb": "ebc/embedding_bags.user.weight"},
-            num_shards=2, strategy="mod")  # fmt: skip
+            partitioner=2, partition_strategy="mod")  # fmt: skip
     convert(DATA / "saver_v1", tmp_path / "b", {"cols": "ebc/embedding_bags.user.weight"})
     ebc = EmbeddingBagCollection({"user": TableConfig(10, 4, partitioner=3, partition_strategy="mod")})
     shardvar.load({"ebc": ebc}, tmp_path / "a")
@@ -76,7 +76,7 @@ def _check_state(
 
 def test_v1_adam_slots_become_torch_adam_state(tmp_path: Path) -> None:
     exp = _expected("saver_v1")
-    done = convert(DATA / "saver_v1", tmp_path / "out", {"emb": "m/weight"}, num_shards=2, strategy="mod",
+    done = convert(DATA / "saver_v1", tmp_path / "out", {"emb": "m/weight"}, partitioner=2, partition_strategy="mod",
                    optimizer="adam")  # fmt: skip
     assert done.step == 3 and done.slots == {
         "emb/Adam": "opt/m/weight/exp_avg",
@@ -98,7 +98,7 @@ def test_keras_slots_become_adam_and_adagrad_state(tmp_path: Path) -> None:
     ]:
         exp = _expected(kind)
         out = tmp_path / kind
-        done = convert(DATA / kind, out, {"model/emb": "t/weight"}, num_shards=3, optimizer=name)
+        done = convert(DATA / kind, out, {"model/emb": "t/weight"}, partitioner=3, optimizer=name)
         assert done.step == 2  # the Keras optimizer's `iter`
         assert any("dense" in k and "not converted" in why for k, why in done.skipped.items())
         table = ShardedEmbedding(10, 4, partitioner=2, partition_strategy="mod")
@@ -140,9 +140,9 @@ def test_bad_arguments_write_nothing(tmp_path: Path) -> None:
         ({"mapping": {"nope": "x"}}, "no variable 'nope'"),
         ({"mapping": {"emb": "x", "big": "x"}}, "names both"),
         ({"mapping": {"emb": "x"}, "optimizer": "ftrl"}, "optimizer must be one of"),
-        ({"mapping": {"emb": "x"}, "num_shards": {"y": 2}}, "does not produce"),
-        ({"mapping": {"emb": "x"}, "strategy": "diagonal"}, "diagonal"),
-        ({"mapping": {"emb": "x"}, "num_shards": 0}, "num_shards"),
+        ({"mapping": {"emb": "x"}, "partitioner": {"y": 2}}, "does not produce"),
+        ({"mapping": {"emb": "x"}, "partition_strategy": "diagonal"}, "diagonal"),
+        ({"mapping": {"emb": "x"}, "partitioner": 0}, "partitioner"),
     ]
     for kwargs, match in cases:
         with pytest.raises(shardvar.ShardvarError, match=match):
@@ -164,7 +164,7 @@ def test_a_damaged_table_fails_the_conversion_and_keeps_the_previous_checkpoint(
     data.write_bytes(bytes(raw))
     for strategy in ("div", "mod"):
         with pytest.raises(CheckpointError, match=r"emb.*crc32c"):
-            convert(tmp_path / "ck", tmp_path / strategy, {"emb": "e"}, num_shards=3, strategy=strategy)
+            convert(tmp_path / "ck", tmp_path / strategy, {"emb": "e"}, partitioner=3, partition_strategy=strategy)
         assert not (tmp_path / strategy).exists()
     convert(DATA / "saver_v1", tmp_path / "prev", {"emb": "e"})
     with pytest.raises(CheckpointError, match="crc32c"):
@@ -187,7 +187,7 @@ def test_convert_streams_with_bounded_memory(tmp_path: Path) -> None:
     convert(DATA / "saver_v1", tmp_path / "warm", {"emb": "e"})  # first-use allocations (imports, buffers)
     before = _status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM, the peak RSS, to the current RSS (Linux >= 4.0)
-    convert(tmp_path / "ck", tmp_path / "o", {"emb": "e"}, num_shards=4, strategy="mod")
+    convert(tmp_path / "ck", tmp_path / "o", {"emb": "e"}, partitioner=4, partition_strategy="mod")
     growth = _status("VmHWM") - before
     assert growth < min(shard + (64 << 20), (64 << 20) - shard), growth
     got = shardvar.checkpoint.read_shard(tmp_path / "o", "e", shardvar.Layout.div(rows, 2), 1)

@@ -68,10 +68,10 @@ def _verify_after_a_partial_read(prefix: Path) -> None:
 DAMAGE: dict[str, tuple[Callable[[Path], None], Callable[[Path], object], str]] = {
     "crc, load_variable": (_flip_slice_byte, lambda p: load_variable(p, "emb"), "fails its crc32c check"),
     "crc, verify": (_flip_slice_byte, _verify_after_a_partial_read, "fails its crc32c check"),
-    "crc, convert div": (_flip_slice_byte, lambda p: convert(p, p.parent / "o", {"emb": "e"}, num_shards=2), "crc32c"),
+    "crc, convert div": (_flip_slice_byte, lambda p: convert(p, p.parent / "o", {"emb": "e"}, partitioner=2), "crc32c"),
     "crc, convert mod": (
         _flip_slice_byte,
-        lambda p: convert(p, p.parent / "o", {"emb": "e"}, num_shards=3, strategy="mod"),
+        lambda p: convert(p, p.parent / "o", {"emb": "e"}, partitioner=3, partition_strategy="mod"),
         "crc32c",
     ),
     "truncated data file": (_truncate_slice_file, lambda p: load_variable(p, "emb"), "ends at byte"),

@@ -38,7 +38,7 @@ def test_every_shard_of_one_pass_equals_numpy(
     monkeypatch.setattr(stream, "CHUNK_BYTES", row_bytes * data.draw(st.integers(1, 9)))  # read chunks
     monkeypatch.setattr(safetensors, "CHUNK_BYTES", row_bytes * data.draw(st.integers(1, 7)))  # checksum chunks
     n, strategy = data.draw(st.integers(1, 6)), data.draw(st.sampled_from(["div", "mod"]))
-    convert(root / "ck", root / "out", {"t": "t"}, num_shards=n, strategy=strategy)
+    convert(root / "ck", root / "out", {"t": "t"}, partitioner=n, partition_strategy=strategy)
     layout = shardvar.Layout.balanced(strategy, rows, min(n, max(rows, 1)))
     assert shardvar.checkpoint.Manifest.read(root / "out").variables["t"].layout == layout
     for s in range(layout.num_shards):
@@ -113,7 +113,7 @@ def test_an_error_while_reading_ahead_is_raised_by_the_writer(tmp_path: Path, mo
     raw[-3] ^= 1  # in the second slice: found after the first chunks were written
     data.write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match="crc32c"):
-        convert(tmp_path / "ck", tmp_path / "out", {"t": "t"}, num_shards=3, strategy="mod")
+        convert(tmp_path / "ck", tmp_path / "out", {"t": "t"}, partitioner=3, partition_strategy="mod")
     assert not (tmp_path / "out").exists()
     assert not any(t.name == "shardvar-tf-read" for t in threading.enumerate())
     assert TFCheckpoint(tmp_path / "ck").variable("t").shape == (64, 4)
@@ -124,7 +124,7 @@ def test_a_table_written_in_one_pass_stays_in_one_data_file(tmp_path: Path, monk
     monkeypatch.setattr(shardvar.checkpoint._write, "FILE_BYTES", 1000)
     tables = {"a": np.ones((40, 4), np.float32), "b": np.zeros((30, 4), np.float32)}  # 640 and 480 bytes
     write_bundle(tmp_path / "ck", tables)
-    convert(tmp_path / "ck", tmp_path / "out", num_shards=3, strategy="mod")
+    convert(tmp_path / "ck", tmp_path / "out", partitioner=3, partition_strategy="mod")
     variables = shardvar.checkpoint.Manifest.read(tmp_path / "out").variables
     files = {name: {p.file for p in v.pieces} for name, v in variables.items()}
     assert len(files["a"]) == len(files["b"]) == 1 and files["a"] != files["b"]

@@ -65,7 +65,7 @@ def test_sharded_training_matches_unsharded(optimizer_name: str, strategy: str, 
     sharded.head.load_state_dict(reference.head.state_dict())
     train(reference, optimizer_name, sparse)
     train(sharded, optimizer_name, sparse)
-    weights = logical(list(sharded.embedding.shards), sharded.embedding.layout)
+    weights = logical(list(sharded.embedding.weight.variables), sharded.embedding.layout)
     assert not torch.equal(reference.embedding.weight, weights.new_zeros(weights.shape))
     torch.testing.assert_close(weights, reference.embedding.weight.detach(), atol=1e-5, rtol=0)
     torch.testing.assert_close(sharded.head.weight, reference.head.weight, atol=1e-5, rtol=0)
@@ -90,7 +90,7 @@ def test_sparse_optimizers_update_large_tables_of_every_layout(optimizer_name, n
     sharded = shardvar.ShardedEmbedding.from_pretrained(
         reference.weight, freeze=False, partitioner=num_shards, partition_strategy=strategy, sparse=True
     )
-    assert all(s.is_contiguous() for s in sharded.shards)
+    assert all(s.is_contiguous() for s in sharded.weight.variables)
     for module in (reference, sharded):
         opt = SPARSE_STEPS[optimizer_name](list(module.parameters()))
         g = torch.Generator().manual_seed(3)

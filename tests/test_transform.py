@@ -69,7 +69,7 @@ def test_same_outputs_after_the_transform(strategy) -> None:
     ids, bags, _ = data(0)
     torch.testing.assert_close(model(ids, bags), reference(ids, bags))
     for name, p in part.parameters.items():
-        assert len(p.shards) == p.layout.num_shards
+        assert len(p.variables) == p.layout.num_shards
         torch.testing.assert_close(logical(model, name), dict(reference.named_parameters())[name].detach())
 
 
@@ -158,4 +158,4 @@ def test_strategies_round_trip_through_json() -> None:
 def test_devices_round_robin() -> None:
     model = Net()
     part = partition_model(model, {"fc1.weight": "3,1"}, devices=["cpu", torch.device("cpu")])
-    assert [p.device.type for p in part.parameters["fc1.weight"].shards] == ["cpu"] * 3
+    assert [p.device.type for p in part.parameters["fc1.weight"].variables] == ["cpu"] * 3

@@ -24,7 +24,7 @@ def variable(layout: str, trainable: bool = True, seed: int = 0) -> ShardedVaria
     table = torch.randn(7, 4, generator=torch.Generator().manual_seed(seed))
     v = shardvar.shard_tensor(table, LAYOUTS[layout])
     shards = [nn.Parameter(s.detach().clone()) if trainable else s.detach().clone() for s in v.variables]
-    return ShardedVariable(shards, strategy=v.layout.strategy)
+    return ShardedVariable(shards, partition_strategy=v.layout.strategy)
 
 
 class Holder(nn.Module):

@@ -21,9 +21,9 @@ import torch
 
 from .._errors import CheckpointError
 from ..layout import Layout
+from ..variables import ShardsView
 from ._chain import Chain, apply_rows
 from ._restore import restore_shards
-from ._state import Partial
 from ._write import Coordinator, Entry, entry_of
 
 __all__ = ["Delta", "delta_entries", "find_changes", "fingerprints", "remember"]
@@ -136,8 +136,8 @@ def delta_entries(delta: Delta, coordinator: Coordinator) -> tuple[list[Entry], 
     for name, (ids, values) in delta.changed.items():
         layout = Layout.explicit([c[name] for c in counts])  # shard r: the rows rank r changed
         rank = coordinator.rank
-        entries.append(entry_of(f"{name}#rows", Partial(layout, (layout.num_rows,), torch.int64, {rank: ids})))
+        entries.append(entry_of(f"{name}#rows", ShardsView(layout, (layout.num_rows,), torch.int64, {rank: ids})))
         shape = (layout.num_rows, *values.shape[1:])
-        entries.append(entry_of(f"{name}#values", Partial(layout, shape, values.dtype, {rank: values})))
+        entries.append(entry_of(f"{name}#values", ShardsView(layout, shape, values.dtype, {rank: values})))
     rows = {name: {"rows": f"{name}#rows", "values": f"{name}#values"} for name in delta.changed}
     return entries, {"base": delta.base, "rows": rows}

@@ -17,12 +17,13 @@ import torch
 from .._errors import CheckpointError, CheckpointIOError, ShardvarError
 from .._validate import check_int
 from ..layout import Layout
+from ..variables import ShardsView
 from ._chain import Chain, RowChanges, apply_rows
 from ._manifest import Manifest, VariableEntry
 from ._optim import OptimizerRecord, check_group_count, check_optimizer, restored_groups, slot_name
 from ._quantize import check_packed
 from ._restore import Files, _check_file, restore_into, restore_shard, restore_shards, verify_shards
-from ._state import Partial, State, notify, param_names, resolve
+from ._state import State, notify, param_names, resolve
 from ._write import Coordinator, Progress, agree
 
 __all__ = ["load", "STAGING_BYTES", "lookup"]
@@ -99,9 +100,9 @@ def _plan_load(chain: Chain, state: State, partial_ok: bool) -> tuple[list[_Targ
     targets = []
     for name, value in state.variables.items():
         entry, files, changes = _source(chain, name)
-        check_packed(chain.extra, entry, value.packed if isinstance(value, Partial) else None)
+        check_packed(chain.extra, entry, value.packed if isinstance(value, ShardsView) else None)
         _match(entry, value.dtype, tuple(value.shape))
-        if isinstance(value, Partial):
+        if isinstance(value, ShardsView):
             targets.append(_Target(entry, value.layout, sorted(value.shards.items()), files, changes))
         else:
             targets.append(_Target(entry, None, [(0, value)], files, changes))

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError
-from ._state import Partial, State, param_names
+from ..variables import ShardsView
+from ._state import State, param_names
 
 __all__ = [
     "OptimizerRecord",
@@ -123,10 +124,10 @@ def _class_name(optimizer: torch.optim.Optimizer) -> str:
     return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
-def optimizer_state(state: State, key: str, optimizer: torch.optim.Optimizer) -> dict[str, Partial | torch.Tensor]:
+def optimizer_state(state: State, key: str, optimizer: torch.optim.Optimizer) -> dict[str, ShardsView | torch.Tensor]:
     """The optimizer's slot tensors as logical variables named ``<key>/<param name>/<slot>``."""
     names = param_names(state, optimizer)
-    tensors: dict[str, Partial | torch.Tensor] = {}
+    tensors: dict[str, ShardsView | torch.Tensor] = {}
     sharded: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     for g, group in enumerate(optimizer.param_groups):
         for i, p in enumerate(group["params"]):
@@ -142,7 +143,7 @@ def optimizer_state(state: State, key: str, optimizer: torch.optim.Optimizer) ->
         variable = state.variables[name]
         # A shard the optimizer never stepped has no slot yet: it holds zeros, as fresh state does.
         slots = {s: by_shard.get(s, torch.zeros_like(t)).detach() for s, t in variable.shards.items()}
-        tensors[slot_name(key, name, slot)] = Partial(variable.layout, variable.shape, variable.dtype, slots)
+        tensors[slot_name(key, name, slot)] = ShardsView(variable.layout, variable.shape, variable.dtype, slots)
     return tensors
 
 

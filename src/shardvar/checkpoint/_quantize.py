@@ -17,7 +17,7 @@ from typing import Any
 
 from .._errors import CheckpointError
 from .._validate import check_bool
-from ..variables._packed import FORMATS, RowFormat, row_format
+from ..variables import FORMATS, RowFormat, row_format
 from ._chain import Chain
 from ._manifest import MANIFEST, VariableEntry
 from ._optim import split_slot_name

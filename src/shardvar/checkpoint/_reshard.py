@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from .._deprecation import renamed
 from .._errors import CheckpointError
 from .._validate import check_bool, check_int
 from ..layout import Layout, get_strategy
+from ..variables import to_layout
 from ._chain import Chain
 from ._manifest import MANIFEST
 from ._restore import _check_file
@@ -49,17 +52,21 @@ def read_shards(
         return chain.read(name, layout, wanted)
 
 
-def _rewritten(chain: Chain, name: str, num_shards: int | None, strategy: str) -> Entry:
-    """``name`` as an entry to write: in ``num_shards`` shards of ``strategy`` (None: as saved)."""
+def _target(entry: Entry, partitioner: Any, partition_strategy: str) -> Layout:
+    """The layout ``partitioner`` gives the saved sharded ``entry``: a shard count splits its saved axis."""
+    if isinstance(partitioner, int):  # checked >= 1 by reshard; at most one shard per row
+        rows = entry.shape[entry.layout.axis]
+        return Layout.balanced(partition_strategy, rows, min(partitioner, max(rows, 1)), entry.layout.axis)
+    return to_layout(partitioner, entry.shape, entry.dtype, partition_strategy)
+
+
+def _rewritten(chain: Chain, name: str, partitioner: Any, partition_strategy: str) -> Entry:
+    """``name`` as an entry to write: split by ``partitioner`` in ``partition_strategy`` (None: as saved)."""
     entry, link, _ = chain.source(name)
     if entry.layout is None:
         layout, shapes = None, {0: entry.shape}
-    elif num_shards is None:
-        layout = entry.layout
-        shapes = dict(enumerate(layout.shard_shapes(entry.shape)))
     else:
-        rows = entry.shape[entry.layout.axis]
-        layout = Layout.balanced(strategy, rows, min(num_shards, max(rows, 1)), entry.layout.axis)
+        layout = entry.layout if partitioner is None else _target(entry, partitioner, partition_strategy)
         shapes = dict(enumerate(layout.shard_shapes(entry.shape)))
     for piece in entry.pieces:
         _check_file(link.files, entry, piece)
@@ -68,7 +75,7 @@ def _rewritten(chain: Chain, name: str, num_shards: int | None, strategy: str) -
 
 
 def _rewrite(
-    src: Path, dst: Path, num_shards: int | None, strategy: str, progress: Progress | None, overwrite: bool
+    src: Path, dst: Path, partitioner: Any, partition_strategy: str, progress: Progress | None, overwrite: bool
 ) -> None:
     if src.resolve() == dst.resolve():
         raise CheckpointError(f"this writes a new checkpoint; src and dst are both {src}")
@@ -77,29 +84,35 @@ def _rewrite(
     with Chain.open(src) as chain:
         if any(link.directory.resolve() == dst.resolve() for link in chain.links):
             raise CheckpointError(f"{dst} is a link of the chain being read; write the new checkpoint elsewhere")
-        entries = [_rewritten(chain, n, num_shards, strategy) for n in sorted(chain.names())]
+        entries = [_rewritten(chain, n, partitioner, partition_strategy) for n in sorted(chain.names())]
         extra = {k: v for k, v in json.loads(json.dumps(chain.extra)).items() if k != "delta"}
         write(dst, entries, extra, progress)
 
 
+@renamed(num_shards="partitioner", strategy="partition_strategy")
 def reshard(
     src: str | os.PathLike,
     dst: str | os.PathLike,
-    num_shards: int,
-    strategy: str = "div",
+    partitioner: Any,
+    partition_strategy: str = "div",
     *,
     progress: Progress | None = None,
     overwrite: bool = False,
 ) -> None:
-    """Rewrite checkpoint ``src`` into ``dst`` with every variable in ``num_shards`` shards.
+    """Rewrite checkpoint ``src`` into ``dst`` with every sharded variable split by ``partitioner``.
+
+    ``partitioner`` is a shard count (each variable split along its saved axis, at most one shard
+    per row) or, as the modules' ``partitioner=``, a partitioner, PartitionerConfig or "1,4,1"
+    string applied to each variable's shape and dtype; ``partition_strategy`` is "div" or "mod".
 
     Each target shard is restored from ``src`` and written before the next is read, so memory
     stays bounded by the largest target shard; ``src`` is only read. An existing checkpoint at
     ``dst`` is replaced only with ``overwrite=True``. A delta ``src`` is read through its chain.
     """
-    num_shards = check_int(num_shards, "num_shards", minimum=1)
-    get_strategy(strategy)  # refuse an unknown strategy before reading anything
-    _rewrite(Path(src), Path(dst), num_shards, strategy, progress, overwrite)
+    if isinstance(partitioner, int) or partitioner is None:
+        partitioner = check_int(partitioner, "partitioner (a shard count)", minimum=1)
+    get_strategy(partition_strategy)  # refuse an unknown strategy before reading anything
+    _rewrite(Path(src), Path(dst), partitioner, partition_strategy, progress, overwrite)
 
 
 def compact(

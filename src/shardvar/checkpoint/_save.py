@@ -8,11 +8,12 @@ from typing import Any
 
 from .._errors import CheckpointError, CheckpointIOError, ShardvarError
 from .._validate import check_bool, check_int
+from ..variables import ShardsView
 from ._async import AsyncSave, stage, start, wait_for_previous
 from ._delta import Delta, delta_entries, find_changes, remember
 from ._optim import group_options, optimizer_info, optimizer_state
 from ._quantize import PACKED
-from ._state import Partial, notify, resolve
+from ._state import notify, resolve
 from ._write import Coordinator, Entry, Progress, agree, check_dtypes, entry_of, write
 
 __all__ = ["save", "AsyncSave"]
@@ -26,7 +27,7 @@ def _plan_save(state_dict: dict[str, Any]) -> tuple[list[Entry], dict]:
     for e in entries:
         e.role = state.roles.get(e.name)
     extra: dict[str, Any] = {"optimizers": {}}
-    packed = {n: v.packed for n, v in state.variables.items() if isinstance(v, Partial) and v.packed is not None}
+    packed = {n: v.packed for n, v in state.variables.items() if isinstance(v, ShardsView) and v.packed is not None}
     if packed:
         extra[PACKED] = packed
     for key, optimizer in state.optimizers.items():
@@ -73,7 +74,7 @@ def save(
     >>> v = ShardedVariable([torch.zeros(2, 3), torch.ones(2, 3)])
     >>> d = tempfile.mkdtemp()
     >>> save({"v": v}, d)
-    >>> w = ShardedVariable([torch.empty(1, 3) for _ in range(4)], strategy="mod")
+    >>> w = ShardedVariable([torch.empty(1, 3) for _ in range(4)], partition_strategy="mod")
     >>> load({"v": w}, d)
     >>> w.to_tensor()[:, 0].tolist()
     [0.0, 0.0, 1.0, 1.0]

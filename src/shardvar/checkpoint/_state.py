@@ -20,29 +20,26 @@ from .._validate import check_has_values
 from ..nn import sharded_parameters
 from ..variables import ShardsView
 
-__all__ = ["Partial", "State", "as_partial", "resolve", "param_names"]
+__all__ = ["State", "as_shards_view", "resolve", "param_names"]
 
 
-# A logical variable's layout and the shards of it this process holds, by shard index: the
-# record the variables layer already has for optimizer slots and collections.
-Partial = ShardsView
-
-
-def as_partial(value: Any) -> Partial | None:
+# A logical variable is recorded as a ShardsView (its layout and the shards of it this process
+# holds, by shard index): the record the variables layer already has for optimizer slots.
+def as_shards_view(value: Any) -> ShardsView | None:
     """A sharded object's view for the checkpoint, or None when ``value`` is not one."""
     if isinstance(value, torch.Tensor) or not callable(getattr(value, "local_shards", None)):
         return None
     if not all(hasattr(value, a) for a in ("layout", "shape", "dtype")):
         return None
     packed, stream = getattr(value, "packed", None), getattr(value, "stream", None)
-    return Partial(value.layout, tuple(value.shape), value.dtype, dict(value.local_shards()), packed, stream)
+    return ShardsView(value.layout, tuple(value.shape), value.dtype, dict(value.local_shards()), packed, stream)
 
 
 @dataclass
 class State:
-    variables: dict[str, Partial | torch.Tensor] = field(default_factory=dict)
+    variables: dict[str, ShardsView | torch.Tensor] = field(default_factory=dict)
     # id(param) -> (logical name, shard index, variable)
-    shard_of: dict[int, tuple[str, int, Partial]] = field(default_factory=dict)
+    shard_of: dict[int, tuple[str, int, ShardsView]] = field(default_factory=dict)
     param_name: dict[int, str] = field(default_factory=dict)  # id(param) -> logical name
     optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
     # shardvar.optim's optimizers (their state is among the variables): their param groups' options
@@ -52,13 +49,13 @@ class State:
     # sharded object given by itself is left unknown (absent)
     roles: dict[str, str] = field(default_factory=dict)
 
-    def add_variable(self, name: str, value: Partial | torch.Tensor) -> None:
+    def add_variable(self, name: str, value: ShardsView | torch.Tensor) -> None:
         if name in self.variables:
             raise CheckpointError(f"two objects of the state dict are both named {name!r}; rename one")
-        for t in value.shards.values() if isinstance(value, Partial) else [value]:
+        for t in value.shards.values() if isinstance(value, ShardsView) else [value]:
             check_has_values(t, f"{name!r}")  # meta: nothing to save, nowhere to load; refused before any file
         self.variables[name] = value
-        if isinstance(value, Partial):
+        if isinstance(value, ShardsView):
             for s, shard in value.shards.items():
                 self.shard_of[id(shard)] = (name, s, value)
         else:
@@ -79,7 +76,7 @@ def _add_module(state: State, key: str, module: nn.Module) -> None:
         tables |= {f"{key}/{mod_name}.{n}" if mod_name else f"{key}/{n}" for n in _tables_of(sub)}
         found = sharded_parameters(sub, recurse=False)  # sharded modules' tables and partitioned parameters
         for local, value in found.items():
-            partial = as_partial(value)
+            partial = as_shards_view(value)
             if partial is None:
                 raise ShardvarTypeError(f"{type(sub).__name__}.sharded_variables()[{local!r}] is not a sharded object")
             state.add_variable(f"{key}/{mod_name}.{local}" if mod_name else f"{key}/{local}", partial)
@@ -105,13 +102,13 @@ def resolve(state_dict: dict[str, Any]) -> State:
             )
         if isinstance(obj, torch.Tensor):
             state.add_variable(key, obj)
-        elif as_partial(obj) is not None:
-            state.add_variable(key, as_partial(obj))
+        elif as_shards_view(obj) is not None:
+            state.add_variable(key, as_shards_view(obj))
         elif isinstance(obj, nn.Module):
             _add_module(state, key, obj)
         elif callable(getattr(obj, "sharded_variables", None)):  # shardvar.optim's optimizers: state per table
             for name, value in obj.sharded_variables().items():
-                partial = as_partial(value)
+                partial = as_shards_view(value)
                 state.add_variable(f"{key}/{name}", partial if partial is not None else value)
                 state.roles[f"{key}/{name}"] = "other"  # an optimizer's state
             if isinstance(obj, torch.optim.Optimizer):

@@ -21,11 +21,11 @@ import torch
 
 from .._errors import CheckpointError, CheckpointIOError, ShardvarError
 from ..layout import Layout
+from ..variables import ShardsView
 from ._files import DirectoryLock, create_new, fsync_dir, reopen_spare
 from ._manifest import MANIFEST, Manifest, Piece, VariableEntry
 from ._optim import merge_infos
 from ._safetensors import DTYPE_CODES, FileWriter, StoredTensor
-from ._state import Partial
 
 __all__ = ["Entry", "Coordinator", "Progress", "agree", "entry_of", "check_dtypes", "write"]
 
@@ -65,8 +65,8 @@ def _prod(shape: tuple[int, ...]) -> int:
     return n
 
 
-def entry_of(name: str, value: Partial | torch.Tensor) -> Entry:
-    if isinstance(value, Partial):
+def entry_of(name: str, value: ShardsView | torch.Tensor) -> Entry:
+    if isinstance(value, ShardsView):
         shards = value.shards
         shapes = {s: tuple(t.shape) for s, t in sorted(shards.items())}
         return Entry(name, value.dtype, value.shape, value.layout, shapes, lambda s: shards[s], stream=value.stream)

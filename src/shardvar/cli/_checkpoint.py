@@ -5,10 +5,7 @@ from __future__ import annotations
 import argparse
 
 from .._errors import ShardvarError
-from ..checkpoint import Manifest, compact, reshard
-from ..checkpoint._chain import Chain
-from ..checkpoint._manifest import VariableEntry
-from ..checkpoint._quantize import packed_format
+from ..checkpoint import Chain, Manifest, VariableEntry, compact, packed_format, reshard
 from ..layout import STRATEGIES
 from ._args import input_path, integer, output_dir
 from ._console import byte_progress, format_bytes, format_sizes, print_table

@@ -47,7 +47,7 @@ def _summary(model: RecModel, restored: RecModel, rows: dict[str, str]) -> None:
     for name in ("users", "items"):
         for label, m in (("trained", model), ("restored", restored)):
             emb = getattr(m, name)
-            sizes = [p.numel() * p.element_size() for p in emb.shards]
+            sizes = [p.numel() * p.element_size() for p in emb.weight.variables]
             table.append(
                 [
                     f"{name} ({label})",

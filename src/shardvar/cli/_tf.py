@@ -38,15 +38,16 @@ def _shown(text: str) -> str:
 
 
 def _slices(v: object) -> str:
+    from ..tf import slice_spec  # TensorFlow's spelling of a slice, as its errors print it
+
     if not v.sliced:
         return "-"
-    specs = [":".join(f"{o},{n}" for o, n in zip(p.offsets, p.lengths, strict=True)) for p in v.pieces]
+    specs = [slice_spec(list(zip(p.offsets, p.lengths, strict=True))) for p in v.pieces]
     return f"{len(specs)}: " + " ".join(specs[:4]) + (" ..." if len(specs) > 4 else "")
 
 
 def run_tf_inspect(args: argparse.Namespace) -> int:
-    from ..tf import TFCheckpoint
-    from ..tf._graph import short_name
+    from ..tf import TFCheckpoint, short_name
 
     try:
         reader = TFCheckpoint(args.path)
@@ -92,7 +93,7 @@ def run_convert_tf(args: argparse.Namespace) -> int:
     try:
         with byte_progress("convert-tf", args.progress) as progress:
             done = convert(
-                args.ckpt, args.out, mapping, num_shards=args.shards, strategy=args.strategy,
+                args.ckpt, args.out, mapping, partitioner=args.shards, partition_strategy=args.strategy,
                 optimizer=args.optimizer, step=args.step, overwrite=args.force, progress=progress,
             )  # fmt: skip
     except ShardvarError as e:

@@ -19,15 +19,24 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from .._errors import ShardvarDistributedError, ShardvarTypeError, ShardvarValueError
+from .._errors import ShardvarDistributedError, ShardvarError, ShardvarTypeError, ShardvarValueError
 from ..layout import Layout
-from ..nn import KeyedJagged, TableConfig
-from ..nn._collection import check_tables, feature_map, pack, row_dtype, split_inputs
-from ..nn._jagged import jagged_split
-from ..variables import RowInitializer, ShardedVariable, ShardStore
-from ..variables._create import to_layout
+from ..nn import (
+    KeyedJagged,
+    ShardedEmbedding,
+    ShardedEmbeddingBag,
+    TableConfig,
+    check_tables,
+    feature_map,
+    jagged_split,
+    pack,
+    row_dtype,
+    split_inputs,
+)
+from ..variables import RowInitializer, ShardedVariable, ShardStore, to_layout
+from ._agree import agree, refuse
 from ._comm import DEFAULT_TIMEOUT, Comm
-from ._module import DistributedEmbedding, DistributedEmbeddingBag
+from ._module import _Distributed
 from ._placement import plan_collection
 from ._replicas import Replicas
 
@@ -44,11 +53,13 @@ class _Unnamed:
         return {}
 
 
-class _GroupBag(_Unnamed, DistributedEmbeddingBag):
+# A group's table is the local module over a store spread over ranks (`_Distributed`'s construction),
+# composed as the public distributed modules are, rather than a subclass of them.
+class _GroupBag(_Unnamed, _Distributed, ShardedEmbeddingBag):
     """A pooled collection's group: bags of the group's rows."""
 
 
-class _GroupRows(_Unnamed, DistributedEmbedding):
+class _GroupRows(_Unnamed, _Distributed, ShardedEmbedding):
     """A sequence collection's group: every id's row."""
 
 
@@ -145,7 +156,7 @@ class DistributedEmbeddingBagCollection(nn.Module):
         init = initializer or RowInitializer()
         first = dict(zip(tables, [0, *itertools.accumulate(c.num_embeddings for c in tables.values())], strict=False))
         replicated = {n: c for n, c in tables.items() if placement.get(n) == "replicate"}
-        comm = Comm(group, timeout)
+        comm = self.comm = Comm(group, timeout)
         self.replicas = Replicas(replicated, sparse, init, {n: first[n] for n in replicated}, comm, self.pooled)
         self.add_module(self.prefix, self.replicas.embedding_bags)  # the replicated tables' parameters
         self.layouts: dict[str, Layout] = {}
@@ -211,7 +222,8 @@ class DistributedEmbeddingBagCollection(nn.Module):
     ) -> dict[str, torch.Tensor]:
         """Bags per feature. Collective: every rank calls it, with every feature of every table.
 
-        A table's features go in one request, so an id two of them hold is sent and fetched once.
+        A table's features go in one request, so an id two of them hold is sent and fetched once;
+        a refusal of any rank's input is every rank's (:func:`lookup_collection`).
         """
         return lookup_collection(self, self.bags, self.replicas, features, offsets, per_sample_weights)
 
@@ -219,26 +231,43 @@ class DistributedEmbeddingBagCollection(nn.Module):
 def lookup_collection(
     collection: Any, bags: Any, replicas: Any, features: Any, offsets: Any, per_sample_weights: Any
 ) -> dict[str, Any]:
-    """A distributed collection's lookup (its ``groups``, ``layouts``, ``starts``, ``served``) with
-    ``bags`` as its groups' tables and ``replicas`` as its replicated tables: the float collection's, or
-    its quantized twin's (packed tables, the same exchange)."""
-    table_of, keys_of = collection.served
-    modes = {f: collection.configs[t].mode if collection.pooled else None for f, t in table_of.items()}
-    features, offsets, weights = split_inputs(features, offsets, per_sample_weights, modes, (), keys_of)
-    if set(features) != set(modes):
-        given = sorted(f for f, keys in keys_of.items() if keys[0] in features)
-        raise ShardvarValueError(f"every rank gives every feature {sorted(keys_of)}; got {given}")
-    out: dict[str, torch.Tensor] = replicas(features, offsets, weights, table_of)
-    layouts, starts = collection.layouts, collection.starts
-    for names, bag in zip(collection.groups, bags, strict=True):
-        present = [f for f in features if table_of[f] in names]
-        packed = pack(present, table_of, layouts, starts, row_dtype(bag), features, offsets, weights)
+    """A distributed collection's lookup (its ``comm``, ``groups``, ``layouts``, ``starts``, ``served``)
+    with ``bags`` as its groups' tables and ``replicas`` as its replicated tables: the float collection's,
+    or its quantized twin's (packed tables, the same exchange). Every input is checked first, and a
+    refusal is every rank's (:func:`._agree.agree`, in the first group's split sizes; in an all_reduce
+    of one int when every table is replicated)."""
+    try:
+        features, replicated, groups = _pack(collection, bags, replicas, features, offsets, per_sample_weights)
+    except ShardvarError as e:
+        refuse(collection.comm, e, carries_counts=bool(bags))  # in place of the first collective
+    if not bags and collection.comm.world > 1:  # no collective in forward to carry the verdicts
+        agree(collection.comm, None)
+    out: dict[str, torch.Tensor] = replicas(replicated)
+    for bag, (present, packed) in zip(bags, groups, strict=True):
         rows, offs, psw, counts = packed
         if not collection.pooled:
             out.update(jagged_split(bag(rows), offs, counts, present))
             continue
         out.update(zip(present, bag(rows, offs, per_sample_weights=psw).split(counts), strict=True))
     return {f: out[f] for f in features}
+
+
+def _pack(collection: Any, bags: Any, replicas: Any, features: Any, offsets: Any, weights: Any) -> tuple:
+    """(ids by output key, the replicated tables' packed inputs, each exchanged group's (keys, packed
+    inputs)): every rule of the local collection checked, no collective run."""
+    table_of, keys_of = collection.served
+    modes = {f: collection.configs[t].mode if collection.pooled else None for f, t in table_of.items()}
+    features, offsets, weights = split_inputs(features, offsets, weights, modes, (), keys_of)
+    if set(features) != set(modes):
+        given = sorted(f for f, keys in keys_of.items() if keys[0] in features)
+        raise ShardvarValueError(f"every rank gives every feature {sorted(keys_of)}; got {given}")
+    replicated = replicas.pack(features, offsets, weights, table_of)
+    groups = []
+    layouts, starts = collection.layouts, collection.starts
+    for names, bag in zip(collection.groups, bags, strict=True):
+        present = [f for f in features if table_of[f] in names]
+        groups.append((present, pack(present, table_of, layouts, starts, row_dtype(bag), features, offsets, weights)))
+    return features, replicated, groups
 
 
 class DistributedEmbeddingCollection(DistributedEmbeddingBagCollection):

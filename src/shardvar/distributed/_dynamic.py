@@ -11,20 +11,19 @@ into another world size the ids travel to their new owners with their rows and o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._errors import ShardvarValueError
+from .._deprecation import renamed
+from .._errors import ShardvarError, ShardvarValueError
 from .._pages import empty, empty_like
-from ..dynamic import DynamicEmbedding
-from ..dynamic._hash import as_keys, shard_of
-from ..dynamic._optim import _state_views
-from ..dynamic._policy import KEY, USED, _stable_order
-from ..dynamic._slots import SlotTable
+from ..dynamic import KEY, USED, DynamicEmbedding, SlotTable, as_keys, one_of, shard_of, stable_order, state_views
 from ..layout import Layout
+from ._agree import agree, refuse
 from ._comm import DEFAULT_TIMEOUT, Comm
 from ._module import DistributedEmbedding
 
@@ -37,9 +36,8 @@ def route(
     """Rows of ``payload`` to their ``owner`` ranks: (received, sent counts, received counts, send order)."""
     order = torch.argsort(owner, stable=True)
     sent = torch.bincount(owner, minlength=comm.world)
-    got = torch.empty_like(sent)
-    comm.all_to_all(got, sent, [1] * comm.world, [1] * comm.world, f"{what} counts")
-    sent_list, got_list = sent.tolist(), got.tolist()
+    got_list = agree(comm, None, sent, f"{what} counts")  # raises if a rank refused its input (see _keys)
+    sent_list = sent.tolist()
     out = empty((sum(got_list), *payload.shape[1:]), dtype=payload.dtype, device=payload.device)
     comm.all_to_all(out, payload.index_select(0, order).contiguous(), got_list, sent_list, what)
     return out, sent_list, got_list, order
@@ -57,14 +55,16 @@ def answer(comm: Comm, values: torch.Tensor, sent: list, got: list, order: torch
 class DistributedDynamicEmbedding(DynamicEmbedding):
     """``DynamicEmbedding`` over the ranks of a process group; every rank calls it with its own ids."""
 
+    @renamed(num_shards="partitioner")
     def __init__(
         self, embedding_dim: int, capacity: int, *, group: Any = None, timeout: float = DEFAULT_TIMEOUT, **options: Any
     ) -> None:
         comm = Comm(group, timeout)
-        if options.get("devices") is not None or options.get("num_shards", comm.world) != comm.world:
+        count = options.pop("partitioner", comm.world)
+        if options.get("devices") is not None or count != comm.world:
             raise ShardvarValueError(
-                f"a distributed dynamic table has one shard per rank ({comm.world}); do not pass num_shards or "
-                f"devices; got num_shards={options.get('num_shards')!r}, devices={options.get('devices')!r:.60}"
+                f"a distributed dynamic table has one shard per rank ({comm.world}); do not pass partitioner or "
+                f"devices; got partitioner={count!r}, devices={options.get('devices')!r:.60}"
             )
         object.__setattr__(self, "comm", comm)  # _build_rows needs it, before nn.Module.__init__
         object.__setattr__(self, "_group", group)
@@ -116,24 +116,34 @@ class DistributedDynamicEmbedding(DynamicEmbedding):
         out[ok] = rows
         return out
 
+    def _keys(self, ids: Any, check: Callable[[], Any] | None = None) -> torch.Tensor:
+        """``ids`` as keys, checked as the local table checks them (with ``check``, first). A refusal is
+        every rank's: it takes the place of the ids' route, whose split sizes carry the verdicts."""
+        try:
+            if check is not None:
+                check()
+            return as_keys(ids, self.slots.meta.device)
+        except ShardvarError as e:
+            refuse(self.comm, e)
+
     def forward(self, ids: Any) -> torch.Tensor:
-        keys = as_keys(ids, self.slots.meta.device)
+        keys = self._keys(ids)
         return self._rows(self._resolve(keys.reshape(-1))).view(*keys.shape, self.embedding_dim)
 
     def contains(self, ids: Any) -> torch.Tensor:
         """Collective: whether each id holds a row (on its owner)."""
-        keys = as_keys(ids, self.slots.meta.device).reshape(-1)
-        unique, inverse = torch.unique(keys, return_inverse=True)
+        shape = (keys := self._keys(ids)).shape
+        unique, inverse = torch.unique(keys.reshape(-1), return_inverse=True)
         received, sent, got, order = route(self.comm, unique, shard_of(unique, self.comm.world), "ids")
         found = (self.slots.find(received)[0] >= 0).to(torch.int64)
-        return answer(self.comm, found, sent, got, order)[inverse].bool().view(as_keys(ids).shape)
+        return answer(self.comm, found, sent, got, order)[inverse].bool().view(shape)
 
     def evict(self, ids: Any = None, *, count: int | None = None, older_than: int | None = None) -> torch.Tensor:
         """``ids``: collective, each owner frees the rows of its ids; returns the evicted ids (on every rank
         that asked for them). ``count`` / ``older_than``: this rank's rows only."""
-        if ids is None or count is not None or older_than is not None:
-            return super().evict(ids, count=count, older_than=older_than)
-        keys = as_keys(ids, self.slots.meta.device).reshape(-1)
+        if ids is None:
+            return super().evict(count=count, older_than=older_than)
+        keys = self._keys(ids, lambda: one_of(ids, count, older_than)).reshape(-1)
         unique = torch.unique(keys)
         received, sent, got, order = route(self.comm, unique, shard_of(unique, self.comm.world), "ids")
         slot = self.slots.find(received)[0]
@@ -169,7 +179,7 @@ class DistributedDynamicEmbedding(DynamicEmbedding):
         rank = self.comm.rank
         out = [(self.table.store.local_shards()[rank], 0.0)]
         for ref, _ in self._attached:
-            views = _state_views(ref(), self.table.store) if ref() is not None else []
+            views = state_views(ref(), self.table.store) if ref() is not None else []
             out += [(v[rank], fresh) for v, fresh in views if rank in v]
         return out
 
@@ -188,7 +198,7 @@ class DistributedDynamicEmbedding(DynamicEmbedding):
         arrived_meta = route(self.comm, meta[held], owner, "slot metadata")[0]
         arrived = [route(self.comm, t[held].reshape(held.numel(), t[0].numel()), owner, "rows")[0] for t, _ in tensors]
         scores = [-col for col in self.eviction.scores(arrived_meta)]
-        order = _stable_order(*scores)[: self.slots.sizes[0]]  # the best ids by policy, up to capacity
+        order = stable_order(*scores)[: self.slots.sizes[0]]  # the best ids by policy, up to capacity
         meta.zero_()
         meta[: order.numel()] = arrived_meta[order]
         for (t, fresh), rows in zip(tensors, arrived, strict=True):

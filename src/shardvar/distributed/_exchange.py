@@ -1,22 +1,25 @@
 """Rows owned by other ranks: the store's ``exchange`` for a distributed variable.
 
-A lookup asks for the rows of distinct ids. Each id goes to the rank that owns its shard with
-one all_to_all (split sizes first, each rank's verdict on its ids riding along, so a bad id on
-any rank stops every rank before anything else), the owners gather their rows from their local
-store and send them back. Backward sends each requested row's gradient to its owner, which turns
-it into its shards' gradients (dense, or sparse COO) exactly as a local lookup does.
+A lookup asks for the rows of distinct ids, checked by the lookup (``functional.checked``: a
+rank that refused its input calls ``refuse`` instead). Each id goes to the rank that owns its
+shard with one all_to_all (split sizes first, each rank's verdict on its input beside them:
+``_agree.agree``, so bad input on any rank stops every rank before anything else), the owners
+gather their rows from their local store and send them back. Backward sends each requested
+row's gradient to its owner, which turns it into its shards' gradients (dense, or sparse COO)
+exactly as a local lookup does.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
-from .._errors import ShardvarIndexError
+from .._errors import ShardvarError
 from .._pages import empty_like
 from ..variables import ShardStore, functional
+from ._agree import agree, refuse
 from ._comm import Comm
 
 __all__ = ["Exchange", "RowOptions"]
@@ -47,11 +50,10 @@ class Exchange:
         return self.comm.world
 
     def grouping_key(self, store: ShardStore, ids: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-        """A sort key of ``ids`` that groups them by owning rank (ascending ids within each) and the
-        bound of its values; None if an id is out of range (the exchange then reports it on every
-        rank) or the key would overflow."""
+        """A sort key of ``ids`` (valid: checked by the lookup) that groups them by owning rank
+        (ascending ids within each) and the bound of its values; None if the key would overflow."""
         n = store.layout.num_rows
-        if ids.numel() == 0 or n * self.world >= 1 << 62 or _verdict(ids, n) is not None:
+        if ids.numel() == 0 or n * self.world >= 1 << 62:
             return None
         owner = self.owner.index_select(0, store.layout.strategy.locate(store.layout.sizes, ids)[0])
         return owner.mul_(n).add_(ids), n * self.world
@@ -64,40 +66,25 @@ class Exchange:
         shards = store.local_shards().values()
         return _ExchangeRows.apply(self, store, ids.to(self.comm.device), options, self.anchor, *shards)[0]
 
-
-def _verdict(ids: torch.Tensor, num_rows: int) -> int | None:
-    if ids.numel() == 0:
-        return None
-    low, high = torch.aminmax(ids)
-    if int(low) >= 0 and int(high) < num_rows:
-        return None
-    return int(ids[(ids < 0) | (ids >= num_rows)][0])
+    def refuse(self, error: ShardvarError) -> NoReturn:
+        """Collective, in place of a lookup whose input this rank refused: every rank raises the agreed
+        error (in the lookup's first collective, the split sizes, which it takes the place of)."""
+        refuse(self.comm, error)
 
 
 def _send_ids(ex: Exchange, store: ShardStore, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list, list]:
-    """All_to_all the ids to their owners: (order sent, ids received, counts sent, counts received).
+    """All_to_all the ids (valid: checked by the lookup) to their owners: (order sent, ids received,
+    counts sent, counts received). The split sizes carry this rank's verdict: good, since it got here.
 
     The order is empty when ``ids`` are already grouped by owner (see ``Exchange.grouping_key``).
     """
     comm, layout, world = ex.comm, store.layout, ex.comm.world
-    first_bad = _verdict(ids, layout.num_rows)
-    shard = layout.strategy.locate(layout.sizes, ids.clamp(0, max(layout.num_rows - 1, 0)))[0]
-    owner = ex.owner.index_select(0, shard)
+    owner = ex.owner.index_select(0, layout.strategy.locate(layout.sizes, ids)[0])
     grouped = owner.numel() < 2 or bool((owner[1:] >= owner[:-1]).all())
     order = owner.new_empty(0) if grouped else torch.argsort(owner, stable=True)
     send_counts = torch.bincount(owner, minlength=world)
-    verdict = torch.full((world,), 0 if first_bad is None else 1, dtype=torch.int64, device=ids.device)
-    header = torch.stack([send_counts, verdict], dim=1).reshape(-1)
-    received = torch.empty_like(header)
-    comm.all_to_all(received, header, [2] * world, [2] * world, "split sizes")
-    received = received.reshape(world, 2)
-    if bool(received[:, 1].any()):
-        culprits = torch.nonzero(received[:, 1]).squeeze(1).tolist()
-        detail = f"; this rank's first bad id is {first_bad}" if first_bad is not None else ""
-        raise ShardvarIndexError(
-            f"lookup ids must be in [0, {layout.num_rows}); rank(s) {culprits} passed ids outside it{detail}"
-        )
-    send_list, recv_list = send_counts.tolist(), received[:, 0].tolist()
+    recv_list = agree(comm, None, send_counts)  # raises here if another rank refused its input
+    send_list = send_counts.tolist()
     recv_ids = torch.empty(sum(recv_list), dtype=torch.int64, device=ids.device)
     comm.all_to_all(recv_ids, ids if grouped else ids.index_select(0, order), recv_list, send_list, "ids")
     return order, recv_ids, send_list, recv_list

@@ -16,7 +16,14 @@ __all__ = ["DistributedEmbedding", "DistributedEmbeddingBag"]
 
 
 class _Distributed:
-    """What both distributed modules add to the local ones: a store spread over ranks, the variable."""
+    """What a distributed module adds to its local one (a mixin, not a Module level): construction over
+    a store whose shards are spread over ranks (the exchange attached to the store is what makes every
+    lookup collective; ``forward`` is the local class's), the weight as a collective variable (which
+    the logical state_dict and checkpoints gather through), and the repr's rank and owned shards.
+
+    The public modules are ``_Distributed`` plus ``ShardedEmbedding(Bag)``; a distributed collection's
+    group tables are the same pieces (``distributed._collection``), not subclasses of the public ones.
+    """
 
     def __init__(
         self,

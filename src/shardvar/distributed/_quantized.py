@@ -14,33 +14,43 @@ from torch import nn
 
 from .._errors import ShardvarTypeError
 from ..layout import Layout
-from ..nn import KeyedJagged
-from ..nn._collection import lookup_tables
-from ..nn._collection_build import FeatureMap
-from ..quantized import QuantizedEmbedding, QuantizedEmbeddingBag, register
-from ..quantized._quantize import quantize_table
-from ..variables._packed import RowFormat
+from ..nn import KeyedJagged, jagged_split, pack, row_dtype
+from ..quantized import QuantizedEmbedding, QuantizedEmbeddingBag, quantize_table, register
+from ..variables import RowFormat
 from ._collection import DistributedEmbeddingBagCollection, DistributedEmbeddingCollection, lookup_collection
 
 __all__ = ["QuantizedDistributedEmbeddingBagCollection", "QuantizedDistributedEmbeddingCollection"]
 
 
 class _PackedReplicas(nn.Module):
-    """The replicated tables packed, whole on every rank: looked up locally, by the local collection's code."""
+    """The replicated tables packed, whole on every rank: looked up locally, each table its own kernel, with
+    the inputs packed by the local collection's ``pack`` (so checked before any collective, as the float
+    twin's replicas)."""
 
-    def __init__(self, tables: dict[str, nn.Module]) -> None:
+    def __init__(self, tables: dict[str, nn.Module], pooled: bool) -> None:
         super().__init__()
         self.tables = nn.ModuleDict(tables)
-        self._groups = [([n], None) for n in tables]
+        self.pooled = pooled
 
-    def forward(self, features: dict, offsets: dict, weights: dict, table_of: dict[str, str]) -> dict:
-        mine = [f for f in features if table_of[f] in self.tables]
-        if not mine:
-            return {}
-        pick = lambda given: {f: given[f] for f in mine if f in given}  # noqa: E731
-        # The inputs are already split by output key: each key is looked up as a feature of its own.
-        served = FeatureMap({k: table_of[k] for k in mine}, {k: (k,) for k in mine})
-        return lookup_tables(self.tables, self._groups, pick(features), pick(offsets), pick(weights), served)
+    def pack(self, features: dict, offsets: dict, weights: dict, table_of: dict[str, str]) -> list[tuple]:
+        packed = []
+        for name, table in self.tables.items():
+            layouts, present = {name: Layout.div(table.num_embeddings, 1)}, [f for f in features if table_of[f] == name]
+            packed.append(
+                (present, pack(present, table_of, layouts, {name: 0}, row_dtype(table), features, offsets, weights))
+            )
+        return packed
+
+    def forward(self, packed: list[tuple]) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for table, (present, (rows, offs, psw, counts)) in zip(self.tables.values(), packed, strict=True):
+            if not present:
+                continue
+            if not self.pooled:
+                out.update(jagged_split(table(rows), offs, counts, present))
+                continue
+            out.update(zip(present, table(rows, offs, per_sample_weights=psw).split(counts), strict=True))
+        return out
 
 
 def _replica(weight: torch.Tensor, mode: str | None, fmt: RowFormat) -> nn.Module:
@@ -54,7 +64,7 @@ class QuantizedDistributedEmbeddingBagCollection(nn.Module):
 
     def __init__(self, source: DistributedEmbeddingBagCollection, fmt: RowFormat) -> None:
         super().__init__()
-        for attr in ("configs", "served", "feature_tables", "layouts", "groups", "starts", "pooled"):
+        for attr in ("comm", "configs", "served", "feature_tables", "layouts", "groups", "starts", "pooled"):
             setattr(self, attr, getattr(source, attr))
         for name, table in source.replicas.embedding_bags.items():  # every table checked before any is packed
             fmt.check(table.weight.dtype, table.weight.shape[1], f"table {name!r}")
@@ -62,7 +72,7 @@ class QuantizedDistributedEmbeddingBagCollection(nn.Module):
             fmt.check(bag.store.dtype, bag.embedding_dim, f"tables {names}")
         mode = lambda n: self.configs[n].mode if self.pooled else None  # noqa: E731
         replicas = {n: _replica(t.weight, mode(n), fmt) for n, t in source.replicas.embedding_bags.items()}
-        self.replicas = _PackedReplicas(replicas)
+        self.replicas = _PackedReplicas(replicas, self.pooled)
         self.bags = nn.ModuleList([quantize_table(bag, fmt) for bag in source.bags])
         self.eval()
 

@@ -13,17 +13,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from .._pages import zeros
 from ..layout import Layout
-from ..nn import TableConfig
-from ..nn._collection import pack
-from ..nn._jagged import jagged_split
-from ..variables import RowInitializer, ShardedVariable
-from ..variables._distinct import sparse_rows
-from ..variables._functional import slab_weight
+from ..nn import TableConfig, jagged_split, pack
+from ..variables import RowInitializer, ShardedVariable, embedding_bag_rows, embedding_rows, slab_weight, sparse_rows
 from ._comm import Comm
 
 __all__ = ["Replicas"]
@@ -91,20 +86,27 @@ class Replicas:
         self.groups = list(by_kind.values())
         self._variables = [ShardedVariable([self.embedding_bags[n].weight for n in names]) for names in self.groups]
 
-    def __call__(
-        self, features: dict, offsets: dict, weights: dict, table_of: dict[str, str]
-    ) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
+    def pack(self, features: dict, offsets: dict, weights: dict, table_of: dict[str, str]) -> list[tuple]:
+        """Each group's features checked and packed (``nn._collection.pack``): no collective, nothing read."""
+        packed = []
         for names, variable in zip(self.groups, self._variables, strict=True):
-            store, mode = variable.store, self.configs[names[0]].mode
+            store = variable.store
             layouts = {n: Layout.div(self.configs[n].num_embeddings, 1) for n in names}
             starts = dict(zip(names, store.layout.offsets, strict=False))
             present = [f for f in features if table_of[f] in names]
-            rows, offs, psw, counts = pack(present, table_of, layouts, starts, store.dtype, features, offsets, weights)
+            packed.append((present, pack(present, table_of, layouts, starts, store.dtype, features, offsets, weights)))
+        return packed
+
+    def __call__(self, packed: list[tuple]) -> dict[str, torch.Tensor]:
+        """Bags (or rows) of the features :meth:`pack` packed, group by group."""
+        out: dict[str, torch.Tensor] = {}
+        for names, variable, (present, inputs) in zip(self.groups, self._variables, packed, strict=True):
+            store, mode = variable.store, self.configs[names[0]].mode
+            rows, offs, psw, counts = inputs
             weight = _SummedGrad.apply(slab_weight(store), self.comm)
             if not self.pooled:  # a sequence collection's: every id's row
-                out.update(jagged_split(F.embedding(rows, weight, sparse=self.sparse), offs, counts, present))
+                out.update(jagged_split(embedding_rows(rows, weight, sparse=self.sparse), offs, counts, present))
                 continue
-            pooled = F.embedding_bag(rows, weight, offs, mode=mode, sparse=self.sparse, per_sample_weights=psw)
+            pooled = embedding_bag_rows(rows, weight, offs, mode=mode, per_sample_weights=psw, sparse=self.sparse)
             out.update(zip(present, pooled.split(counts), strict=True))
         return out

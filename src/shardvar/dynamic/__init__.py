@@ -5,12 +5,17 @@ Layer: above ``optim`` (reused rows get fresh optimizer state), below ``checkpoi
 
 from ._hash import IdInitializer, as_keys, hash_strings, mix64, shard_of
 from ._index import HashIndex
-from ._module import DynamicEmbedding, DynamicEmbeddingBag
-from ._optim import FRESH, move_rows, reset_rows
-from ._policy import LFU, LRU, TTL, CountAdmission, ProbabilityAdmission
+from ._module import DynamicEmbedding, DynamicEmbeddingBag, one_of
+from ._optim import FRESH, move_rows, reset_rows, state_views
+from ._policy import KEY, LFU, LRU, TTL, USED, CountAdmission, ProbabilityAdmission, stable_order
 from ._slots import SlotTable
 
 __all__ = [
+    "KEY",
+    "USED",
+    "one_of",
+    "stable_order",
+    "state_views",
     "DynamicEmbedding",
     "DynamicEmbeddingBag",
     "IdInitializer",

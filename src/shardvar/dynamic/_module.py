@@ -1,6 +1,6 @@
 """DynamicEmbedding(Bag): a table whose ids come from an unbounded space and get rows as they appear.
 
-The rows are a ``ShardedEmbedding`` (``table``) of ``capacity`` rows split into ``num_shards``
+The rows are a ``ShardedEmbedding`` (``table``) of ``capacity`` rows split into ``partitioner``
 blocks (div layout), so gradients, sparse gradients, every optimizer, ``.to()`` and checkpoints
 work as for a fixed table; ``slots`` (a SlotTable) maps ids to rows. In training mode each call
 is one step: it counts the ids, admits new ones, evicts if a shard is full and initialises the
@@ -13,16 +13,15 @@ import weakref
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .._deprecation import renamed
 from .._errors import ShardvarTypeError, ShardvarValueError
 from .._validate import check_bag_mode, check_bool, check_int
 from ..layout import Layout
 from ..nn import ShardedEmbedding
-from ..variables import ShardStore
+from ..variables import ShardStore, scatter, to_layout
 from ..variables import _functional as functional
-from ..variables._update import scatter
 from ._hash import IdInitializer, as_keys
 from ._optim import move_rows, reset_rows
 from ._policy import KEY, SEEN, USED, CountAdmission, ProbabilityAdmission, as_eviction, lowest_per_group
@@ -41,12 +40,26 @@ def _after_load_state_dict(module: nn.Module, _keys: Any) -> None:
     module.checkpoint_hook("after_load")  # torch's load_state_dict: rebuild the index, re-place ids
 
 
+def _shard_count(partitioner: Any, capacity: int, dim: int, dtype: torch.dtype | None) -> int:
+    """How many hash shards ``partitioner`` (a count, or as the modules' ``partitioner=``) gives the rows."""
+    if isinstance(partitioner, int) and not isinstance(partitioner, bool):
+        n = check_int(partitioner, "partitioner (a shard count)", minimum=1)
+        if n > capacity:
+            raise ShardvarValueError(f"partitioner={n} shards exceeds capacity={capacity}: each shard needs a row")
+        return n
+    layout = to_layout(partitioner, (capacity, dim), dtype or torch.get_default_dtype())
+    if layout.axis != 0:
+        raise ShardvarValueError(f"a dynamic table splits rows (axis 0); {partitioner!r:.60} splits axis {layout.axis}")
+    return layout.num_shards
+
+
 class _DynamicTable(nn.Module):
+    @renamed(num_shards="partitioner")
     def __init__(
         self,
         embedding_dim: int,
         capacity: int,
-        num_shards: int = 1,
+        partitioner: Any = 1,
         *,
         eviction: Any = "lru",
         admission: Any = None,
@@ -60,9 +73,7 @@ class _DynamicTable(nn.Module):
         super().__init__()
         self.embedding_dim = check_int(embedding_dim, "embedding_dim", minimum=1)
         self.capacity = check_int(capacity, "capacity", minimum=1)
-        self.num_shards = check_int(num_shards, "num_shards", minimum=1)
-        if self.num_shards > self.capacity:
-            raise ShardvarValueError(f"num_shards={num_shards} exceeds capacity={capacity}: each shard needs a row")
+        self.num_shards = _shard_count(partitioner, self.capacity, self.embedding_dim, dtype)
         self.eviction, self.admission = as_eviction(eviction), _check_admission(admission)
         self.initializer = IdInitializer() if initializer is None else initializer
         if not callable(self.initializer):
@@ -147,9 +158,7 @@ class _DynamicTable(nn.Module):
     def evict(self, ids: Any = None, *, count: int | None = None, older_than: int | None = None) -> torch.Tensor:
         """Free rows on demand: of ``ids``, of the ``count`` the policy ranks lowest, or of ids unseen
         for more than ``older_than`` steps (give exactly one). Returns the evicted ids."""
-        given = [n for n, v in (("ids", ids), ("count", count), ("older_than", older_than)) if v is not None]
-        if len(given) != 1:
-            raise ShardvarValueError(f"give exactly one of ids, count, older_than; got {given or 'none'}")
+        one_of(ids, count, older_than)
         meta, held = self.slots.meta, self.slots.held()
         if ids is not None:
             slot = self.slots.find(as_keys(ids, meta.device).reshape(-1))[0]
@@ -226,6 +235,13 @@ class _DynamicTable(nn.Module):
         return f"{shape}, eviction={self.eviction}{admission}"
 
 
+def one_of(ids: Any, count: Any, older_than: Any) -> None:
+    """What ``evict`` takes: exactly one of ``ids``, ``count`` and ``older_than``."""
+    given = [n for n, v in (("ids", ids), ("count", count), ("older_than", older_than)) if v is not None]
+    if len(given) != 1:
+        raise ShardvarValueError(f"give exactly one of ids, count, older_than; got {given or 'none'}")
+
+
 class DynamicEmbedding(_DynamicTable):
     """``nn.Embedding`` over ids from an unbounded space (any int64, or strings): see the module docstring."""
 
@@ -237,17 +253,18 @@ class DynamicEmbedding(_DynamicTable):
 class DynamicEmbeddingBag(_DynamicTable):
     """``nn.EmbeddingBag`` (sum, mean, max) over a dynamic table."""
 
+    @renamed(num_shards="partitioner")
     def __init__(
-        self, embedding_dim: int, capacity: int, num_shards: int = 1, *, mode: str = "mean", **kwargs: Any
+        self, embedding_dim: int, capacity: int, partitioner: Any = 1, *, mode: str = "mean", **kwargs: Any
     ) -> None:
         self_mode = check_bag_mode(mode)
-        super().__init__(embedding_dim, capacity, num_shards, **kwargs)
+        super().__init__(embedding_dim, capacity, partitioner, **kwargs)
         self.mode = self_mode
 
     def forward(self, ids: Any, offsets: Any = None, per_sample_weights: Any = None) -> torch.Tensor:
         keys = as_keys(ids, self.slots.meta.device)
-        offsets = functional._check_bag(keys, offsets, include_last_offset=False)  # checked before any change
-        weights = functional._check_weights(per_sample_weights, keys, self.mode, self.store.dtype)
+        offsets = functional.check_bag(keys, offsets, include_last_offset=False)  # checked before any change
+        weights = functional.check_weights(per_sample_weights, keys, self.mode, self.store.dtype)
         slot = self._resolve(keys.reshape(-1)).view(keys.shape)
         if bool((slot >= 0).all()):
             return functional.embedding_bag(
@@ -255,4 +272,4 @@ class DynamicEmbeddingBag(_DynamicTable):
             )
         rows = self._rows(slot.reshape(-1))
         positions = torch.arange(slot.numel(), device=slot.device).view(slot.shape)
-        return F.embedding_bag(positions, rows, offsets, mode=self.mode, per_sample_weights=weights)
+        return functional.embedding_bag_rows(positions, rows, offsets, mode=self.mode, per_sample_weights=weights)

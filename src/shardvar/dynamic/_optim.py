@@ -29,7 +29,7 @@ def _by_shard(store: ShardStore, slots: torch.Tensor) -> Iterator[tuple[int, tor
         yield s, shards[s], local[owner == s].to(shards[s].device)
 
 
-def _state_views(optimizer: torch.optim.Optimizer, store: ShardStore) -> Iterator[tuple[dict, torch.Tensor, float]]:
+def state_views(optimizer: torch.optim.Optimizer, store: ShardStore) -> Iterator[tuple[dict, torch.Tensor, float]]:
     """(per-shard views of state laid out by rows, its fresh value) for every state of the table."""
     if isinstance(optimizer, TableOptimizer):
         params = {id(p) for p in store.local_shards().values()}
@@ -61,7 +61,7 @@ def reset_rows(optimizer: torch.optim.Optimizer, store: ShardStore, slots: torch
         if reset is not None:
             reset(param, rows)
             continue
-        for views, fresh in _state_views(optimizer, store):
+        for views, fresh in state_views(optimizer, store):
             if s in views:
                 views[s][rows] = fresh
 
@@ -69,7 +69,7 @@ def reset_rows(optimizer: torch.optim.Optimizer, store: ShardStore, slots: torch
 @torch.no_grad()
 def move_rows(optimizer: torch.optim.Optimizer, store: ShardStore, source: torch.Tensor, dest: torch.Tensor) -> None:
     """Move state rows ``source`` to ``dest`` (logical rows); every other row becomes fresh."""
-    for views, fresh in _state_views(optimizer, store):
+    for views, fresh in state_views(optimizer, store):
         if len(views) != store.layout.num_shards:
             continue  # state of only some shards (not yet created for the rest): nothing to move
         full = store.layout.join([views[s] for s in range(store.layout.num_shards)])

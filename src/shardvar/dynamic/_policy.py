@@ -20,7 +20,7 @@ __all__ = ["LRU", "LFU", "TTL", "CountAdmission", "ProbabilityAdmission", "as_ev
 KEY, SEEN, COUNT, USED = range(4)  # columns of the slot metadata
 
 
-def _stable_order(*columns: torch.Tensor) -> torch.Tensor:
+def stable_order(*columns: torch.Tensor) -> torch.Tensor:
     """Positions sorted by the columns, first column most significant, ties in position order."""
     order = torch.arange(columns[0].numel(), device=columns[0].device)
     for col in reversed(columns):
@@ -37,7 +37,7 @@ def group_rank(groups: torch.Tensor, num_groups: int) -> torch.Tensor:
 
 def lowest_per_group(groups: torch.Tensor, want: torch.Tensor, *scores: torch.Tensor) -> torch.Tensor:
     """Positions of the ``want[g]`` lowest-scoring entries of each group ``g`` (scores as sort keys)."""
-    order = _stable_order(groups, *scores)
+    order = stable_order(groups, *scores)
     g = groups[order]
     return order[group_rank(g, want.numel()) < want[g]]
 

@@ -19,7 +19,7 @@ from ..layout import Layout
 from ..variables import ShardsView
 from ._hash import mix64, shard_of
 from ._index import HashIndex
-from ._policy import COUNT, KEY, LFU, LRU, SEEN, USED, _stable_order, group_rank, lowest_per_group
+from ._policy import COUNT, KEY, LFU, LRU, SEEN, USED, group_rank, lowest_per_group, stable_order
 
 __all__ = ["SlotTable"]
 
@@ -145,7 +145,7 @@ class SlotTable(nn.Module):
         free_slots = free.nonzero().squeeze(1)  # ascending: grouped by shard (each shard is a block)
         free_count = torch.bincount(self.slot_shard[free_slots], minlength=groups)
         free_start = torch.cumsum(free_count, 0) - free_count
-        order = _stable_order(shards, -occurrences, keys)  # per shard: the most seen first, then by id
+        order = stable_order(shards, -occurrences, keys)  # per shard: the most seen first, then by id
         target = shards[order]
         rank = group_rank(target, groups)
         ok = rank < free_count[target]
@@ -164,7 +164,7 @@ class SlotTable(nn.Module):
         if bool((target == self.slot_shard[held]).all()):
             return None
         scores = [-col[held] for col in self.eviction.scores(self.meta)]
-        order = _stable_order(target, *scores)
+        order = stable_order(target, *scores)
         rank = group_rank(target[order], len(self.sizes))
         sizes = torch.tensor(self.sizes, device=held.device)
         keep = rank < sizes[target[order]]

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from .._deprecation import renamed
 from .._errors import ShardvarIndexError, ShardvarTypeError, ShardvarValueError
 from .._validate import check_int, check_int_sequence
 from ._ids import as_ids, check_ids, group_positions
@@ -97,7 +98,10 @@ class Layout:
         return cls("div", ceil_sizes(check_int(num_rows, "num_rows", minimum=0), n), axis)
 
     @classmethod
-    def from_partitions(cls, shape: Sequence[int], partitions: Sequence[int], strategy: str = "div") -> Layout:
+    @renamed(strategy="partition_strategy")
+    def from_partitions(
+        cls, shape: Sequence[int], partitions: Sequence[int], partition_strategy: str = "div"
+    ) -> Layout:
         """The layout a partitioner's output (shards per axis, e.g. ``[1, 4, 1]``) describes."""
         shape = check_int_sequence(list(shape), "shape", 0)
         partitions = check_int_sequence(list(partitions), "partitions", 1)
@@ -116,7 +120,7 @@ class Layout:
             raise ShardvarValueError(
                 f"cannot split axis {axis} of size {shape[axis]} into {n} shards; at most {shape[axis]}"
             )
-        return cls.balanced(strategy, shape[axis], n, axis)
+        return cls.balanced(partition_strategy, shape[axis], n, axis)
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> Layout:

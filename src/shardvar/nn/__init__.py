@@ -1,14 +1,33 @@
 """nn.Modules over sharded tables, and any module's parameters stored as shards."""
 
-from ._collection import EmbeddingBagCollection, KeyedJagged, TableConfig
+from ._collection import (
+    EmbeddingBagCollection,
+    KeyedJagged,
+    TableConfig,
+    check_tables,
+    feature_map,
+    lookup_tables,
+    pack,
+    row_dtype,
+    split_inputs,
+)
+from ._collection_build import FeatureMap
 from ._collection_modules import EmbeddingBagDict, EmbeddingBagList
 from ._embedding import ShardedEmbedding, ShardedEmbeddingBag
-from ._jagged import JaggedRows
+from ._jagged import JaggedRows, jagged_split
 from ._linear import ShardedLinear
 from ._parameter import ShardsParametrization, set_state_dict_form, shard_parameter, sharded_parameters
 from ._sequence import EmbeddingCollection
 
 __all__ = [
+    "FeatureMap",
+    "check_tables",
+    "feature_map",
+    "jagged_split",
+    "lookup_tables",
+    "pack",
+    "row_dtype",
+    "split_inputs",
     "EmbeddingBagCollection",
     "EmbeddingBagDict",
     "EmbeddingBagList",

@@ -22,9 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._validate import BAG_MODES
-from ..variables._autograd import reading
-from ..variables._distinct import segment_sum, segments, sparse_rows
+from ..variables import bag_parts, reading, segment_sum, segments, sparse_rows
 
 __all__ = ["Part", "sparse_bag", "sparse_bags"]
 
@@ -140,16 +138,9 @@ class _SparseBags(torch.autograd.Function):
 
     @staticmethod
     def forward(weight: torch.Tensor, mode: str, parts: Any, split: Any, *tensors: torch.Tensor | None) -> tuple:
-        # The kernel without what its own backward keeps (each id's bag: a per-id array and a pass);
-        # ``F.embedding_bag`` would take that path, the weight requiring grad. (Its ``.out`` form
-        # computes into a fresh tensor and copies: no help.) Each part reads its table's rows.
-        # (The op's Python binding: ``torch.ops.aten``'s call costs a few microseconds more per table.)
-        n, code, lookup = len(parts), BAG_MODES.index(mode), torch._embedding_bag_forward_only
-        rows, offsets, scale = tensors[:n], tensors[n : 2 * n], tensors[2 * n :]
-        return tuple(
-            lookup(weight[p.start : p.stop], rows[i], offsets[i], False, code, False, scale[i], False, -1)[0]
-            for i, p in enumerate(parts)
-        )
+        # The bag kernel alone (this Function computes the gradient); each part reads its table's rows.
+        n = len(parts)
+        return bag_parts(weight, parts, tensors[:n], tensors[n : 2 * n], tensors[2 * n :], mode)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:

@@ -18,14 +18,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .._errors import ShardvarError, ShardvarTypeError, ShardvarValueError
 from ..layout import Layout, as_ids
-from ..variables import ShardedVariable
-from ..variables._functional import slab_weight
-from ..variables._memory import as_slab, lay_out
+from ..variables import ShardedVariable, as_slab, embedding_bag_rows, embedding_rows, lay_out, slab_weight
 from ._collection_build import FeatureMap, TableConfig, build_tables, check_tables, feature_map
 from ._embedding import ShardedEmbedding, ShardedEmbeddingBag
 from ._jagged import KeyedJagged, jagged_split
@@ -117,7 +114,7 @@ def batch_tables(bags: Mapping[str, Table]) -> list[tuple[list[str], ShardedVari
             name
         )
     for names in by_kind.values():
-        shards = [p for n in names for p in bags[n].shards]
+        shards = [p for n in names for p in bags[n].weight.variables]
         device = shards[0].device
         if any(p.device != device for p in shards):
             groups += [([n], None) for n in names]  # tables on several devices: one by one
@@ -125,7 +122,7 @@ def batch_tables(bags: Mapping[str, Table]) -> list[tuple[list[str], ShardedVari
         if as_slab(list(shards)) is None or not all(bags[n].store.rows_as_kept for n in names):
             # Not built in one allocation: table after table, each table's shards back to back, or row by
             # row where a fused optimizer keeps them so (``store.interleaved``).
-            lay_out([(bags[n].shards, bags[n].store.interleaved) for n in names])
+            lay_out([(bags[n].weight.variables, bags[n].store.interleaved) for n in names])
             for n in names:  # each table's store lets go of its own allocation: the tables are held once
                 bags[n].store.refresh()
         variable = ShardedVariable(shards)
@@ -281,8 +278,8 @@ def _lookup_group(
     rows, offs, psw, counts = packed
     weight = slab_weight(store)
     if pooling(table) is None:  # a sequence collection: every id's row, bag by bag
-        return jagged_split(F.embedding(rows, weight, sparse=table.sparse), offs, counts, present)
-    pooled = F.embedding_bag(rows, weight, offs, mode=table.mode, sparse=table.sparse, per_sample_weights=psw)
+        return jagged_split(embedding_rows(rows, weight, sparse=table.sparse), offs, counts, present)
+    pooled = embedding_bag_rows(rows, weight, offs, mode=table.mode, per_sample_weights=psw, sparse=table.sparse)
     return dict(zip(present, pooled.split(counts), strict=True))
 
 

@@ -23,9 +23,7 @@ from .._errors import ShardvarTypeError, ShardvarValueError
 from .._pages import empty
 from .._validate import check_bag_mode, check_choice, check_float_dtype, check_int
 from ..layout import Layout
-from ..variables import ShardStore, to_layout
-from ..variables._memory import shards_over
-from ..variables._tier import TableStorage
+from ..variables import ShardStore, TableStorage, shards_over, to_layout
 from ._jagged import check_names
 
 __all__ = ["FeatureMap", "TableConfig", "build_tables", "check_tables", "feature_map"]
@@ -59,6 +57,9 @@ class TableConfig:
             object.__setattr__(self, "feature_names", names)  # frozen: set once, as a tuple
 
 
+_TABLES = nn.ModuleDict()  # what a table's name must not shadow
+
+
 def check_tables(tables: Any, sparse: bool, pooled: bool) -> None:
     """A non-empty dict of TableConfigs whose options a collection (pooled or not) can honour."""
     if not isinstance(tables, dict) or not tables:
@@ -68,6 +69,11 @@ def check_tables(tables: Any, sparse: bool, pooled: bool) -> None:
             got = f"{name!r:.60} ({type(name).__name__})"
             error = ShardvarTypeError if not isinstance(name, str) else ShardvarValueError
             raise error(f"table names must be non-empty strings without '.' (module names); got {got}")
+        if hasattr(_TABLES, name):  # torch's ModuleDict keeps its modules as attributes beside its methods
+            raise ShardvarValueError(
+                f"table name {name!r} is an attribute of torch's ModuleDict (which holds the tables); "
+                "name the table otherwise (the feature it serves may keep the name: feature_names)"
+            )
         if not isinstance(cfg, TableConfig):
             raise ShardvarTypeError(f"table {name!r} must be a TableConfig; got {type(cfg).__name__}")
         if pooled:

@@ -45,7 +45,7 @@ def _initial_weight(
 
 
 class _ShardedTable(ShardedWeight):
-    """The shards of one ``[num_embeddings, embedding_dim]`` table, as nn.Parameters ``shard_<i>``.
+    """The shards of one ``[num_embeddings, embedding_dim]`` table, as nn.Parameters ``shard_<i>`` (a mixin).
 
     The concrete modules also subclass ``nn.Embedding`` / ``nn.EmbeddingBag`` (without their
     full-size ``weight``), so code that checks for an embedding (DDP's sparse gradients, model

@@ -20,7 +20,7 @@ import torch
 from .._errors import ShardvarError
 from .._recycle import Recycler
 from ..layout import as_ids, check_ids
-from ..variables._functional import _check_bag, _check_weights
+from ..variables import check_bag, check_weights
 
 __all__ = ["buffer", "checked_features", "feature_bags", "pack", "refused"]
 
@@ -34,7 +34,7 @@ def feature_bags(
     features, offsets, weights = inputs
     try:
         ids = as_ids(features[f])
-        checked = _check_bag(ids, offsets.get(f), include_last_offset=False)
+        checked = check_bag(ids, offsets.get(f), include_last_offset=False)
         check_ids(ids, num_rows)
         w = _weights(f, weights, ids, dtype)
     except ShardvarError as e:
@@ -54,7 +54,7 @@ class _Feature(NamedTuple):
 def _weights(name: str, weights: Mapping, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """Feature ``name``'s weights by torch's rule (the shape of its ids as given, the table's dtype), 1-D."""
     w = weights.get(name)
-    return None if w is None else _check_weights(w, ids, "sum", dtype).reshape(-1)
+    return None if w is None else check_weights(w, ids, "sum", dtype).reshape(-1)
 
 
 def _one_by_one(present: list[str], num_rows: list[int], dtype: torch.dtype, inputs: tuple) -> list[_Feature]:

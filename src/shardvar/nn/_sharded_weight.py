@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._deprecation import deprecated_property
 from .._errors import ShardvarTypeError
 from .._validate import check_choice
 from ..layout import Layout
@@ -25,8 +26,13 @@ from ._state_dict import FORMS, register_logical_hooks
 __all__ = ["ShardedWeight"]
 
 
-class ShardedWeight(nn.Module):
-    """Base of the modules whose ``weight`` is a ShardedVariable over their ``shard_<i>`` Parameters."""
+class ShardedWeight:
+    """Mixin of the modules whose ``weight`` is a ShardedVariable over their ``shard_<i>`` Parameters.
+
+    Not an ``nn.Module`` itself: each concrete module is the torch module it replaces
+    (``nn.Embedding``, ``nn.Linear``, ...) plus this, so a sharded module is one Module level below
+    ``nn.Module``, not a chain of them (tests/test_architecture.py keeps chains at most three deep).
+    """
 
     layout: Layout
     _store: ShardStore
@@ -56,10 +62,9 @@ class ShardedWeight(nn.Module):
     def _shard_params(self) -> dict[int, torch.Tensor]:
         return {int(name[6:]): p for name, p in self._parameters.items() if name.startswith("shard_")}
 
-    @property
-    def shards(self) -> tuple[torch.Tensor, ...]:
-        """This module's shard parameters, in shard order (for a distributed module: this rank's)."""
-        return tuple(p for _, p in sorted(self._shard_params().items()))
+    # ``module.weight.variables``: this module's shard Parameters in shard order (a distributed
+    # module's: this rank's); ``.shards`` was a second spelling of them.
+    shards = deprecated_property("shards", "module.weight.variables", lambda m: tuple(m.weight.variables))
 
     @property
     def store(self) -> ShardStore:

@@ -6,9 +6,10 @@ allocated), then the storage is opened and filled from the module's initializer,
 by block: the same ``nn.init.normal_`` draws, in the same pieces, as an in-memory table's
 (``_collection_build``), so both tables are equal under the same seed.
 
-A lookup resolves the batch's distinct ids to cache slots, reads those rows, and runs the torch op
-over them with each id's position (padding, bags, per-sample weights as for any table). Its
-backward hands each looked-up id's gradient row to the tier's sink: the update of a shardvar
+A lookup resolves the batch's distinct ids to cache slots, reads those rows, and runs the lookup
+kernel (``functional.embedding_rows`` / ``embedding_bag_rows``) over them with each id's position
+(padding, bags, per-sample weights as for any table). Its backward hands each looked-up id's
+gradient row to the tier's sink: the update of a shardvar
 optimizer fused into backward (``optim.fuse``), which is the only way a tiered table trains.
 """
 
@@ -18,11 +19,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .._errors import ShardvarIndexError, ShardvarTypeError, ShardvarValueError
-from ..variables._tier import RowTier, TableStorage
+from ..variables import RowTier, TableStorage, functional
 from ._collection_build import pieces
 
 __all__ = ["TieredTable", "tiered_blocks"]
@@ -177,12 +177,12 @@ def forward_embedding(module: Any, input: torch.Tensor) -> torch.Tensor:
     # sparse: one gradient row per id, summed per row by the update as in memory (torch has no sparse
     # gradient with scale_grad_by_freq, nor for max bags: then the op's dense one over the batch's rows)
     scale = module.scale_grad_by_freq
-    return F.embedding(positions, rows, pad, None, 2.0, scale, sparse=not scale)
+    return functional.embedding_rows(positions, rows, pad, None, 2.0, scale, sparse=not scale)
 
 
 def forward_bag(module: Any, input: torch.Tensor, offsets: Any, per_sample_weights: Any) -> torch.Tensor:
     rows, positions, pad = module._rows(input)
-    return F.embedding_bag(
+    return functional.embedding_bag_rows(
         positions,
         rows,
         offsets,

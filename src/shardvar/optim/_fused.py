@@ -34,8 +34,7 @@ from typing import Any
 import torch
 
 from .._errors import ShardvarValueError
-from ..variables._plan import storage_ids
-from ..variables._relayout import deinterleave, interleave
+from ..variables import deinterleave, interleave, storage_ids
 from ._base import TableOptimizer, _summed
 from ._tables import Table, TierTable
 

@@ -20,9 +20,7 @@ from torch import nn
 from .._errors import ShardvarTypeError, ShardvarValueError
 from .._pages import empty
 from ..nn import sharded_parameters
-from ..variables import ShardedVariable, ShardsView
-from ..variables._store import ShardStore
-from ..variables._tier import RowTier
+from ..variables import RowTier, ShardedVariable, ShardStore, ShardsView
 
 __all__ = ["Table", "TierTable", "find_tables"]
 

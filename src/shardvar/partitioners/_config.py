@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .._deprecation import renamed
 from .._errors import ShardvarTypeError, ShardvarValueError
 from .._validate import check_int_sequence
 from ..layout import Layout
@@ -95,7 +96,8 @@ class PartitionerConfig:
         """The one axis with more than one shard; 0 when no axis is split."""
         return next((i for i, p in enumerate(self._partitions) if p > 1), 0)
 
-    def layout(self, shape: Sequence[int], strategy: str = "div") -> Layout:
+    @renamed(strategy="partition_strategy")
+    def layout(self, shape: Sequence[int], partition_strategy: str = "div") -> Layout:
         """The :class:`Layout` this config gives a variable of ``shape``.
 
         >>> PartitionerConfig(partition_str="1,4").layout((3, 10))
@@ -107,7 +109,7 @@ class PartitionerConfig:
                 f"partition list {self.partition_list} has {len(self._partitions)} entries but shape {list(shape)} "
                 f"has {len(shape)} dimensions"
             )
-        return Layout.from_partitions(shape, self._partitions, strategy)
+        return Layout.from_partitions(shape, self._partitions, partition_strategy)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, PartitionerConfig) and other._partitions == self._partitions

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._deprecation import renamed
 from .._validate import check_int, check_shape, normalise_axis
 from ..layout import Layout
 from ._dtypes import element_size
@@ -54,8 +55,9 @@ class Partitioner:
     def _partition(self, shape: tuple[int, ...], dtype: object, axis: int) -> list[int]:
         raise NotImplementedError
 
+    @renamed(strategy="partition_strategy")
     def layout(
-        self, shape: ShapeLike, dtype: torch.dtype | str | None = None, axis: int = 0, strategy: str = "div"
+        self, shape: ShapeLike, dtype: torch.dtype | str | None = None, axis: int = 0, partition_strategy: str = "div"
     ) -> Layout:
         """The :class:`Layout` this partitioner gives a variable of ``shape`` and ``dtype``.
 
@@ -63,7 +65,7 @@ class Partitioner:
         Layout(strategy='div', sizes=(3, 3, 2, 2), axis=0)
         """
         shape = check_shape(shape)
-        return Layout.from_partitions(shape, self(shape, dtype, axis), strategy)
+        return Layout.from_partitions(shape, self(shape, dtype, axis), partition_strategy)
 
 
 @dataclass(frozen=True)
@@ -145,8 +147,11 @@ class AxisPartitioner:
     def __call__(self, shape: ShapeLike, dtype: torch.dtype | str | None = None) -> list[int]:
         return self.partitioner(shape, dtype, self.axis)
 
-    def layout(self, shape: ShapeLike, dtype: torch.dtype | str | None = None, strategy: str = "div") -> Layout:
-        return self.partitioner.layout(shape, dtype, self.axis, strategy)
+    @renamed(strategy="partition_strategy")
+    def layout(
+        self, shape: ShapeLike, dtype: torch.dtype | str | None = None, partition_strategy: str = "div"
+    ) -> Layout:
+        return self.partitioner.layout(shape, dtype, self.axis, partition_strategy)
 
 
 def _check_axis_arg(axis: object) -> int:

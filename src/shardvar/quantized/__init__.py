@@ -7,12 +7,13 @@ kernel call per table, the collections through their float twins' own lookup. Ch
 quantized shard by shard (``shardvar.checkpoint``'s ``quantize_checkpoint``).
 """
 
-from ..variables._packed import FORMATS, RowFormat, row_format
+from ..variables import FORMATS, RowFormat, row_format
 from ._collections import QuantizedEmbeddingBagCollection, QuantizedEmbeddingCollection
 from ._modules import PackedVariable, QuantizedEmbedding, QuantizedEmbeddingBag
-from ._quantize import accepted, quantize, register
+from ._quantize import accepted, quantize, quantize_table, register
 
 __all__ = [
+    "quantize_table",
     "FORMATS",
     "PackedVariable",
     "QuantizedEmbedding",

@@ -14,10 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..nn import EmbeddingBagCollection, KeyedJagged
-from ..nn._collection import lookup_tables
-from ..nn._collection_build import FeatureMap
-from ..nn._jagged import JaggedRows
+from ..nn import EmbeddingBagCollection, FeatureMap, JaggedRows, KeyedJagged, lookup_tables
 from ._modules import QuantizedEmbedding, QuantizedEmbeddingBag
 
 __all__ = ["QuantizedEmbeddingBagCollection", "QuantizedEmbeddingCollection"]

@@ -4,8 +4,9 @@ A packed table keeps its local shards as views of one packed slab (``quantize`` 
 so a local lookup maps the ids to slab rows (vectorised, for every strategy) and runs torch's
 row-wise bag kernel once on the slab. A distributed one fetches the packed rows of its distinct
 ids from their owners (the store's ``exchange``: bytes travel, not floats) and runs the same
-kernel on them. Formats or modes without a kernel (float16 rows, ``max`` bags) dequantize just
-the rows a lookup reads and run ``F.embedding_bag`` on them, which is what the kernel computes.
+kernel on them (``functional.packed_bag_rows`` and ``packed_rows`` choose the kernel: formats or
+modes without one, float16 rows and ``max`` bags, dequantize just the rows a lookup reads and pool
+them with ``F.embedding_bag``, which is what the kernel computes).
 """
 
 from __future__ import annotations
@@ -15,28 +16,31 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from .._validate import check_choice
 from ..layout import as_ids, check_ids
-from ..variables import ShardStore
-from ..variables._functional import BAG_MODES, _check_bag, _check_weights, gather_local
-from ..variables._packed import RowFormat
+from ..variables import (
+    BAG_MODES,
+    RowFormat,
+    ShardStore,
+    check_bag,
+    check_weights,
+    checked,
+    gather_local,
+    packed_bag_rows,
+    packed_rows,
+    spread,
+)
 
 __all__ = ["bag", "rows"]
-
-
-def _distributed(store: ShardStore) -> bool:
-    ex = store.exchange
-    return ex is not None and ex.world > 1
 
 
 def _ids(store: ShardStore, ids: Any) -> torch.Tensor:
     t = as_ids(ids)
     # A slab in logical row order is indexed by the ids themselves, and torch's kernels refuse an
     # index outside it (``_clear_errors`` names the bad id then): no extra pass over the ids. A
-    # distributed lookup checks every rank's ids in its exchange.
-    if not _distributed(store) and not store.logical_slab:
+    # distributed lookup checks them before its exchange (its caller agrees on the verdict: checked).
+    if spread(store) or not store.logical_slab:
         check_ids(t, store.layout.num_rows)
     return t
 
@@ -47,7 +51,7 @@ def _clear_errors(store: ShardStore, ids: torch.Tensor) -> Iterator[None]:
     try:
         yield
     except (RuntimeError, IndexError):
-        if not _distributed(store):
+        if not spread(store):
             check_ids(ids, store.layout.num_rows)
         raise
 
@@ -55,11 +59,11 @@ def _clear_errors(store: ShardStore, ids: torch.Tensor) -> Iterator[None]:
 def _source(store: ShardStore, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed rows, the row of each id among them): the whole slab, or the fetched distinct rows."""
     slab = store.full_slab
-    if slab is not None and not _distributed(store):
+    if slab is not None and not spread(store):
         return slab, store.slab_rows(ids)
     unique, inverse = torch.unique(ids, return_inverse=True)
     with torch.no_grad():  # packed bytes carry no gradient
-        if _distributed(store):
+        if spread(store):
             fetched = store.exchange.rows(store, unique, sparse=False, max_norm=None, norm_type=2.0)
         else:
             fetched = gather_local(store, unique, unique.device)
@@ -77,12 +81,6 @@ def _without_padding(
     return ids[keep], kept_before.index_select(0, offsets), None if weights is None else weights[keep]
 
 
-def _bag_sizes(offsets: torch.Tensor, n: int, include_last_offset: bool) -> torch.Tensor:
-    """Ids per bag (at least 1: an empty bag's mean is zero, as nn.EmbeddingBag gives)."""
-    ends = offsets if include_last_offset else torch.cat([offsets, offsets.new_tensor([n])])
-    return ends.diff().clamp_(min=1).to(torch.float32)
-
-
 # F.embedding_bag's keyword arguments, as variables.embedding_bag takes them (`duplicates` pairs the
 # two signatures): the packed twin of that function, with its own kernel, not a repeated rule.
 def bag(
@@ -96,11 +94,16 @@ def bag(
     padding_idx: int | None = None,
     include_last_offset: bool = False,
 ) -> torch.Tensor:
-    """``F.embedding_bag`` over the dequantized table, computed from the packed rows; checked first."""
-    check_choice(mode, "mode", BAG_MODES)
-    ids = _ids(store, ids)
-    offsets = _check_bag(ids, offsets, include_last_offset)
-    weights = _check_weights(per_sample_weights, ids, mode, torch.float32)
+    """``F.embedding_bag`` over the dequantized table, computed from the packed rows; checked first
+    (on every rank of a distributed table: a refusal is every rank's, see ``checked``)."""
+
+    def check() -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        check_choice(mode, "mode", BAG_MODES)
+        checked_ids = _ids(store, ids)
+        bag_offsets = check_bag(checked_ids, offsets, include_last_offset)
+        return checked_ids, bag_offsets, check_weights(per_sample_weights, checked_ids, mode, torch.float32)
+
+    ids, offsets, weights = checked(store, check)
     if offsets is None:  # [bags, ids per bag]
         offsets = torch.arange(ids.shape[0], device=ids.device) * ids.shape[1]
         include_last_offset = False
@@ -109,26 +112,16 @@ def bag(
     )
     with _clear_errors(store, ids):
         packed, rows = _source(store, flat)
-        if fmt.bag is not None and mode != "max":  # the packed kernels pool no max
-            # Sums only: torch 2.13's kernels return the sum for mode=1 (mean) too; the mean divides here.
-            out = fmt.bag(packed, rows, offsets, False, 0, False, weights, None, include_last_offset)
-            return out if mode == "sum" else out / _bag_sizes(offsets, flat.numel(), include_last_offset)[:, None]
-        unique, inverse = torch.unique(rows, return_inverse=True)
-        table = fmt.unpack(packed.index_select(0, unique))
-        return F.embedding_bag(
-            inverse, table, offsets, mode=mode, per_sample_weights=weights, include_last_offset=include_last_offset
+        return packed_bag_rows(
+            fmt, packed, rows, offsets, mode=mode, per_sample_weights=weights, include_last_offset=include_last_offset
         )
 
 
 def rows(store: ShardStore, fmt: RowFormat, ids: Any, dim: int) -> torch.Tensor:
     """Rows ``ids`` (any shape) dequantized: shape ``ids.shape + [dim]``."""
-    ids = _ids(store, ids)
+    ids = checked(store, lambda: _ids(store, ids))
     flat = ids.reshape(-1)
     with _clear_errors(store, ids):
         packed, at = _source(store, flat)
-        if fmt.bag is None:
-            out = fmt.unpack(packed.index_select(0, at))
-        else:  # one bag per id, straight from the slab: the kernel's sum of one row is that row, dequantized
-            bags = torch.arange(flat.numel(), device=flat.device)
-            out = fmt.bag(packed, at, bags, False, 0, False, None, None, False)
+        out = packed_rows(fmt, packed, at)
     return out.reshape(*ids.shape, dim)

@@ -17,9 +17,7 @@ from torch import nn
 
 from .._errors import ShardvarValueError
 from ..layout import Layout
-from ..variables import ShardStore
-from ..variables._packed import RowFormat
-from ..variables._values import ids_device
+from ..variables import RowFormat, ShardStore, checked, ids_device
 from . import _lookup
 
 __all__ = ["PackedVariable", "QuantizedEmbedding", "QuantizedEmbeddingBag"]
@@ -99,7 +97,7 @@ class _QuantizedTable(nn.Module):
 
     def lookup(self, ids: Any) -> torch.Tensor:
         """Rows ``ids`` (any shape) dequantized to float32."""
-        self._check_inference()
+        checked(self.store, self._check_inference)  # a distributed table's ranks agree on it
         return _lookup.rows(self.store, self.format, ids, self.embedding_dim)
 
     def requires_grad_(self, requires_grad: bool = True) -> _QuantizedTable:
@@ -140,7 +138,7 @@ class QuantizedEmbeddingBag(_QuantizedTable):
         self.mode, self.include_last_offset = mode, include_last_offset
 
     def forward(self, input: Any, offsets: Any = None, per_sample_weights: Any = None) -> torch.Tensor:
-        self._check_inference()
+        checked(self.store, self._check_inference)  # a distributed table's ranks agree on it
         # The float bag's forward arguments passed on by name: alike in shape to ShardedEmbeddingBag's
         # call (`duplicates` pairs them) because this is its drop-in, not because a rule repeats.
         return _lookup.bag(

@@ -15,10 +15,9 @@ import torch
 from torch import nn
 
 from .._errors import ShardvarTypeError
-from ..checkpoint._quantize import quantize_checkpoint
+from ..checkpoint import quantize_checkpoint
 from ..nn import EmbeddingBagCollection, EmbeddingCollection, ShardedEmbedding, ShardedEmbeddingBag
-from ..variables import ShardStore
-from ..variables._packed import RowFormat, row_format
+from ..variables import RowFormat, ShardStore, functional, row_format
 from ._collections import QuantizedEmbeddingBagCollection, QuantizedEmbeddingCollection
 from ._modules import QuantizedEmbedding, QuantizedEmbeddingBag
 
@@ -60,7 +59,7 @@ def _pack(table: Table, fmt: RowFormat) -> dict[int, torch.Tensor]:
     slab = _slab(store).detach()
     if table.max_norm is not None:  # every row as the float table's lookup leaves it
         slab = slab.clone()
-        torch.embedding_renorm_(slab, torch.arange(slab.shape[0]), table.max_norm, table.norm_type)
+        functional.renorm_rows(slab, torch.arange(slab.shape[0]), table.max_norm, table.norm_type)
     if slab.shape[0] == 0:
         packed = torch.empty(0, fmt.width(table.embedding_dim), dtype=fmt.storage)
     else:

@@ -8,6 +8,9 @@ ones (a ShardedVariable likewise; optimizer slots recorded in the object graph).
 
 from ._api import list_variables, load_variable
 from ._convert import Conversion, convert
+from ._graph import short_name
 from ._reader import TFCheckpoint
+from ._slices import spec as slice_spec
 
-__all__ = ["Conversion", "TFCheckpoint", "convert", "list_variables", "load_variable"]
+__all__ = [
+    "short_name","Conversion", "TFCheckpoint", "convert", "list_variables", "load_variable", "slice_spec"]

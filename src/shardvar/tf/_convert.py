@@ -14,15 +14,16 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from .._deprecation import renamed
 from .._errors import CheckpointError
 from .._validate import check_bool, check_int
-from ..checkpoint._manifest import MANIFEST
-from ..checkpoint._optim import OptimizerRecord, slot_name
-from ..checkpoint._write import Entry, Progress, check_dtypes, write
+from ..checkpoint import MANIFEST, Entry, OptimizerRecord, Progress, check_dtypes, slot_name, write
 from ..layout import Layout, get_strategy
+from ..variables import to_layout
 from ._bundle import DTYPES
 from ._graph import GRAPH_KEY, short_name
 from ._reader import TFCheckpoint, TFVariable
@@ -73,14 +74,19 @@ def _targets(reader: TFCheckpoint, mapping: NameMap, slot_keys: set[str], result
 
 
 def _layout(
-    v: TFVariable, name: str, num_shards: int | Mapping[str, int], strategy: str | Mapping[str, str]
+    reader: TFCheckpoint, v: TFVariable, name: str, partitioner: Any | Mapping[str, Any], strategy: Any
 ) -> Layout | None:
     if not v.shape:
         return None
-    n = num_shards.get(name, 1) if isinstance(num_shards, Mapping) else num_shards
+    spec = partitioner.get(name, 1) if isinstance(partitioner, Mapping) else partitioner
     s = strategy.get(name, "div") if isinstance(strategy, Mapping) else strategy
-    n = check_int(n, f"num_shards of {name!r}", minimum=1)
-    return Layout.balanced(get_strategy(s), v.shape[0], min(n, max(v.shape[0], 1)))
+    get_strategy(s)  # an unknown strategy named as such, whatever the partitioner
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        spec = check_int(spec, f"partitioner of {name!r} (a shard count)", minimum=1)
+    layout = to_layout(spec, v.shape, reader.dtype(v), s)
+    if layout.axis != 0:
+        raise CheckpointError(f"{name!r} would be split along axis {layout.axis}; tables convert by rows (axis 0)")
+    return layout
 
 
 def _entry(reader: TFCheckpoint, v: TFVariable, name: str, layout: Layout | None) -> Entry:
@@ -154,13 +160,14 @@ def _slot_entries(
     return entries, record.to_json()
 
 
+@renamed(num_shards="partitioner", strategy="partition_strategy")
 def convert(
     ckpt: str | os.PathLike,
     out: str | os.PathLike,
     mapping: NameMap = None,
     *,
-    num_shards: int | Mapping[str, int] = 1,
-    strategy: str | Mapping[str, str] = "div",
+    partitioner: Any | Mapping[str, Any] = 1,
+    partition_strategy: str | Mapping[str, str] = "div",
     optimizer: str | None = None,
     optimizer_key: str = "opt",
     step: int | None = None,
@@ -173,14 +180,15 @@ def convert(
     each short name returning a name or None to skip; default: every numeric variable under its
     short name) names the variables as ``shardvar.load`` will look them up, e.g.
     ``{"emb": "model/weight"}`` for ``load({"model": ShardedEmbedding(...)}, out)``. Each table is
-    written in ``num_shards`` shards of ``strategy`` (one value, or a dict by shardvar name).
+    split by ``partitioner`` (a shard count or a partitioner, as the modules' ``partitioner=``) in
+    ``partition_strategy`` (each one value, or a dict by shardvar name).
     ``optimizer="adam" | "adagrad" | "momentum"`` also writes the variables' slots as the state of
     ``torch.optim.Adam`` / ``Adagrad`` / ``SGD(momentum=...)`` under ``optimizer_key`` with the step
     count (``step``, else the checkpoint's ``iter`` or ``global_step``). Returns what was written
     and, in ``skipped``, everything that was not and why.
 
     >>> import tempfile, shardvar.tf
-    >>> done = shardvar.tf.convert("tests/data/tf/saver_v1", tempfile.mkdtemp(), {"emb": "emb"}, num_shards=2)
+    >>> done = shardvar.tf.convert("tests/data/tf/saver_v1", tempfile.mkdtemp(), {"emb": "emb"}, partitioner=2)
     >>> done.variables
     {'emb': 'emb'}
     """
@@ -192,11 +200,11 @@ def convert(
     result = Conversion(step=step)
     slot_keys = {s.key for s in reader.slots()}
     chosen = _targets(reader, mapping, slot_keys, result)
-    for per_table in (num_shards, strategy):
+    for per_table in (partitioner, partition_strategy):
         unknown = sorted(set(per_table) - set(chosen.values())) if isinstance(per_table, Mapping) else []
         if unknown:
             raise CheckpointError(f"layouts are given for {unknown}, which the mapping does not produce")
-    layouts = {t: _layout(reader.variables[k], t, num_shards, strategy) for k, t in chosen.items()}
+    layouts = {t: _layout(reader, reader.variables[k], t, partitioner, partition_strategy) for k, t in chosen.items()}
     entries = [_entry(reader, reader.variables[k], t, layouts[t]) for k, t in chosen.items()]
     extra: dict = {"optimizers": {}}
     if optimizer is not None:

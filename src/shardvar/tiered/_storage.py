@@ -23,7 +23,7 @@ import torch
 
 from .._errors import ShardvarTypeError, ShardvarValueError
 from .._validate import check_choice, check_int, check_number
-from ..variables._tier import TierSink
+from ..variables import TierSink
 from ._cache import POLICIES, RowCache
 from ._file import BackingFileError, RecordLayout, RowFile
 from ._views import mapped, sharded_view

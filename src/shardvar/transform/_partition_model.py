@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from .._deprecation import deprecated_property, renamed
 from .._errors import ShardvarError, ShardvarTypeError, ShardvarValueError
 from .._validate import check_devices
 from ..layout import Layout
@@ -29,13 +30,12 @@ from ..nn import (
     ShardedEmbedding,
     ShardedEmbeddingBag,
     ShardedLinear,
-    ShardsParametrization,
     shard_parameter,
 )
 from ..variables import ShardedVariable, ShardStore
 from ._spec import PartitionSpec, as_spec
 
-__all__ = ["partition_model", "ModelPartition", "PartitionedParameter", "ShardsParametrization"]
+__all__ = ["partition_model", "ModelPartition", "PartitionedParameter"]
 
 _SHARDED = (ShardedEmbedding, ShardedEmbeddingBag, ShardedLinear)
 
@@ -47,8 +47,13 @@ class PartitionedParameter:
     name: str
     old: nn.Parameter
     layout: Layout
-    shards: list[nn.Parameter]
+    variables: list[nn.Parameter]  # the shards, in shard order (as ShardedVariable.variables)
     users: list[str] = field(default_factory=list)  # every name the parameter had (tied: several)
+
+    shards = deprecated_property("shards", "PartitionedParameter.variables", lambda p: p.variables)
+
+
+PartitionedParameter.__init__ = renamed(shards="variables")(PartitionedParameter.__init__)  # type: ignore[method-assign]
 
 
 @dataclass
@@ -69,7 +74,7 @@ class ModelPartition:
         for group in optimizer.param_groups:
             params = []
             for p in group["params"]:
-                params.extend(by_old[id(p)].shards if id(p) in by_old else [p])
+                params.extend(by_old[id(p)].variables if id(p) in by_old else [p])
             groups.append({**group, "params": params})
         # defaults may hold entries the constructor does not take (AdamW: decoupled_weight_decay);
         # every group carries them anyway, so pass only what the constructor accepts.
@@ -83,7 +88,7 @@ class ModelPartition:
                 rebuilt.state[p] = state
                 continue
             part = by_old[id(p)]
-            for s, shard in enumerate(part.shards):
+            for s, shard in enumerate(part.variables):
                 rebuilt.state[shard] = {k: _split_state(v, p, part.layout, s, shard) for k, v in state.items()}
         return rebuilt
 
@@ -214,7 +219,7 @@ def partition_model(
 
     >>> model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 6))
     >>> part = partition_model(model, {"0.weight": 2, "1.weight": "1,2"})
-    >>> type(model[0]).__name__, [tuple(p.shape) for p in part.parameters["1.weight"].shards]
+    >>> type(model[0]).__name__, [tuple(p.shape) for p in part.parameters["1.weight"].variables]
     ('ShardedEmbedding', [(6, 2), (6, 2)])
     """
     strategy, placement, devices = _check_arguments(module, strategy, devices)

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .._deprecation import deprecated_property, renamed
 from .._errors import ShardvarTypeError, ShardvarValueError
 from ..layout import Layout
 from ..partitioners import (
@@ -25,17 +26,19 @@ _PARTITIONERS = {c.__name__: c for c in (FixedShardsPartitioner, MinSizePartitio
 
 @dataclass(frozen=True)
 class PartitionSpec:
-    """A partitioner, PartitionerConfig, shard count or explicit Layout, and the strategy to use.
+    """A partitioner, PartitionerConfig, shard count or explicit Layout, and the partition strategy.
 
     >>> PartitionSpec("1,4").layout((3, 10))
     Layout(strategy='div', sizes=(3, 3, 2, 2), axis=1)
     """
 
     partitioner: Any
-    strategy: str = "div"
+    partition_strategy: str = "div"
+
+    strategy = deprecated_property("strategy", "PartitionSpec.partition_strategy", lambda s: s.partition_strategy)
 
     def layout(self, shape: tuple[int, ...], dtype: Any = None) -> Layout:
-        return to_layout(self.partitioner, shape, dtype, self.strategy)
+        return to_layout(self.partitioner, shape, dtype, self.partition_strategy)
 
     def to_json_obj(self) -> dict[str, Any]:
         p = self.partitioner
@@ -51,7 +54,7 @@ class PartitionSpec:
             body = {"num_shards": p}
         else:
             raise ShardvarTypeError(f"cannot serialise partitioner {p!r} to JSON")
-        return {**body, "strategy": self.strategy}
+        return {**body, "strategy": self.partition_strategy}  # the file format's key stays
 
     @classmethod
     def from_json_obj(cls, obj: Mapping[str, Any]) -> PartitionSpec:
@@ -72,6 +75,9 @@ class PartitionSpec:
         raise ShardvarValueError(
             f"a partition spec needs layout, partition_list, partitioner or num_shards; got {dict(obj)}"
         )
+
+
+PartitionSpec.__init__ = renamed(strategy="partition_strategy")(PartitionSpec.__init__)  # type: ignore[method-assign]
 
 
 def as_spec(value: Any) -> PartitionSpec:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .._deprecation import renamed
 from .._errors import ShardvarTypeError, ShardvarValueError
 from .._pages import empty
 from .._validate import check_bool
@@ -21,7 +22,10 @@ __all__ = ["shard_tensor", "create_partitioned_variables", "to_layout"]
 Initializer = torch.Tensor | float | int | Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
 
-def to_layout(spec: Any, shape: Sequence[int], dtype: torch.dtype | str | None = None, strategy: str = "div") -> Layout:
+@renamed(strategy="partition_strategy")
+def to_layout(
+    spec: Any, shape: Sequence[int], dtype: torch.dtype | str | None = None, partition_strategy: str = "div"
+) -> Layout:
     """A Layout from a Layout, a shard count, a PartitionerConfig, its string form or a partitioner."""
     from ..partitioners import AxisPartitioner, Partitioner
 
@@ -34,13 +38,13 @@ def to_layout(spec: Any, shape: Sequence[int], dtype: torch.dtype | str | None =
     if isinstance(spec, int):
         if spec < 1:
             raise ShardvarValueError(f"the number of shards must be >= 1; got {spec}")
-        return Layout.from_partitions(shape, [min(spec, max(shape[0], 1))] + [1] * (len(shape) - 1), strategy)
+        return Layout.from_partitions(shape, [min(spec, max(shape[0], 1))] + [1] * (len(shape) - 1), partition_strategy)
     if isinstance(spec, str):
         spec = PartitionerConfig(partition_str=spec)
     if isinstance(spec, PartitionerConfig):
-        return spec.layout(shape, strategy)
+        return spec.layout(shape, partition_strategy)
     if isinstance(spec, (Partitioner, AxisPartitioner)):
-        return spec.layout(shape, dtype if dtype is not None else torch.float32, strategy=strategy)
+        return spec.layout(shape, dtype if dtype is not None else torch.float32, partition_strategy=partition_strategy)
     raise ShardvarTypeError(
         f"expected a shard count, partitioner, PartitionerConfig, partition string or Layout; got {spec!r:.100}"
     )

@@ -10,6 +10,9 @@ A lookup finds a *source*: a weight tensor and the indices into it that stand fo
   store's ``exchange``) and the op runs on those rows with each id's position among them.
 
 Either way the torch op itself handles padding, bags, per-sample weights and sparse gradients.
+Which op, and how it is called, is :mod:`._kernels`' (re-exported here: ``embedding_rows``,
+``embedding_bag_rows``, ``bag_parts``, ``packed_bag_rows``, ``packed_rows``, ``renorm_rows``,
+``segment_sum``): every lookup in shardvar, this module's and the modules' above it, runs through them.
 """
 
 from __future__ import annotations
@@ -19,28 +22,38 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from .._errors import ShardvarDTypeError, ShardvarValueError
 from .._validate import BAG_MODES, check_bag_mode, check_bool, check_int, check_number
 from ..layout import as_ids, check_ids
 from . import _gather
 from ._autograd import GatherRows, SlabView, gather_local, scatter_grads
-from ._distinct import Distinct, distinct, expand
-from ._jagged import bags, on_values
+from ._distinct import Distinct, distinct, expand, segment_sum
+from ._jagged import bags, check_jagged, is_nested, on_values
+from ._kernels import bag_parts, embedding_bag_rows, embedding_rows, packed_bag_rows, packed_rows, renorm_rows
 from ._meta import check_readable
+from ._spread import checked, exchange_of, spread
 from ._store import ShardStore
 
 __all__ = [
     "BAG_MODES",
+    "bag_parts",
     "check_padding_idx",
+    "checked",
     "embedding",
     "embedding_bag",
+    "embedding_bag_rows",
+    "embedding_rows",
     "gather",
     "gather_local",
+    "packed_bag_rows",
+    "packed_rows",
     "renorm",
+    "renorm_rows",
     "scatter_grads",
+    "segment_sum",
     "slab_weight",
+    "spread",
 ]
 
 
@@ -61,12 +74,6 @@ def check_padding_idx(padding_idx: Any, num_rows: int) -> int | None:
     if not -num_rows <= p < num_rows:
         raise ShardvarValueError(f"padding_idx must be within [-{num_rows}, {num_rows}); got {p}")
     return p % num_rows
-
-
-def _exchange(store: ShardStore) -> Any:
-    """The store's exchange when rows live on other ranks (a one-process group needs none)."""
-    ex = store.exchange
-    return ex if ex is not None and ex.world > 1 else None
 
 
 def slab_weight(store: ShardStore) -> torch.Tensor:
@@ -95,7 +102,7 @@ def _source(
     if _on_meta(store):  # a table being planned, not filled (device="meta"): results have shapes only
         weight = torch.empty(store.layout.num_rows, store.width, dtype=store.dtype, device="meta")
         return _Source(weight, ids, padding_idx, None, False)
-    exchange = _exchange(store)
+    exchange = exchange_of(store)
     if exchange is None and store.full_slab is not None and not by_rows:
         logical = store.logical_slab  # ids are the slab's rows
         rows = ids if logical else store.slab_rows(ids)
@@ -142,7 +149,7 @@ def renorm(store: ShardStore, ids: torch.Tensor, max_norm: float, norm_type: flo
             rows = row[group == g] if len(store.groups) > 1 else row
             if rows.numel():
                 target = store.group_rows(g)  # a view of the shards' memory (2-D tables only)
-                torch.embedding_renorm_(target, rows.to(target.device), max_norm, norm_type)
+                renorm_rows(target, rows.to(target.device), max_norm, norm_type)
 
 
 def _transformed(t: torch.Tensor) -> bool:
@@ -163,8 +170,8 @@ def _ids(store: ShardStore, ids: Any, check: bool = True) -> torch.Tensor:
     t = as_ids(ids, device=None if isinstance(ids, torch.Tensor) else device, allow_meta=meta)
     if meta:
         return t.to("meta")  # shapes only: a meta table holds no values to check ids against
-    if check and _exchange(store) is None and not _transformed(t):
-        check_ids(t, store.layout.num_rows)  # a distributed lookup agrees on bad ids across ranks
+    if check and not _transformed(t):
+        check_ids(t, store.layout.num_rows)  # a distributed lookup's refusal is agreed: see checked
     return t
 
 
@@ -184,7 +191,7 @@ def _op_checks_ids(store: ShardStore, ids: Any, max_norm: float | None) -> bool:
         and isinstance(ids, torch.Tensor)
         and ids.is_cpu
         and store.full_slab.is_cpu
-        and _exchange(store) is None
+        and exchange_of(store) is None
         and not torch.compiler.is_compiling()
         and not torch._C._functorch.is_functorch_wrapped_tensor(ids)
     )
@@ -242,7 +249,8 @@ def embedding(
     """
 
     def lookup(ids: Any) -> torch.Tensor:
-        ids, pad, clip, norm, deferred = _prepare(store, ids, padding_idx, max_norm, norm_type, sparse, defer=True)
+        prepared = checked(store, lambda: _prepare(store, ids, padding_idx, max_norm, norm_type, sparse, defer=True))
+        ids, pad, clip, norm, deferred = prepared
         src = _source(store, ids.reshape(-1), pad, clip, norm, sparse)
         if src.distinct is not None and not scale_grad_by_freq:
             out = expand(src.weight, src.distinct, store.recycler)
@@ -251,6 +259,8 @@ def embedding(
             out = _refused_ids(functools.partial(_gather.embedding, *args), deferred, store, ids)
         return out.reshape((*ids.shape, *store.row_shape))  # a tuple: 0-d ids of 1-D params give a 0-d result
 
+    if is_nested(ids):  # its structure checked before the lookup, which checks its values
+        checked(store, lambda: check_jagged(ids, "ids"))
     return on_values(ids, lookup)
 
 
@@ -262,7 +272,7 @@ def _check_sparse(store: ShardStore, sparse: bool) -> None:
         )
 
 
-def _check_bag(
+def check_bag(
     ids: torch.Tensor, offsets: torch.Tensor | None, include_last_offset: bool, op_checks_ends: bool = False
 ) -> torch.Tensor | None:
     """Offsets of 1-D ``ids`` (None for 2-D), or the error naming what is wrong with them.
@@ -315,7 +325,7 @@ def _check_ends(ids: torch.Tensor, offsets: torch.Tensor, include_last_offset: b
         )
 
 
-def _check_weights(per_sample_weights: Any, ids: torch.Tensor, mode: str, dtype: torch.dtype) -> torch.Tensor | None:
+def check_weights(per_sample_weights: Any, ids: torch.Tensor, mode: str, dtype: torch.dtype) -> torch.Tensor | None:
     if per_sample_weights is None:
         return None
     if mode != "sum":
@@ -348,19 +358,21 @@ def embedding_bag(
 
     Jagged ``[B, j]`` input is B bags (its rows), as ``F.embedding_bag`` reads it.
     """
-    check_bag_mode(mode)
-    ids, offsets, per_sample_weights, include_last_offset = bags(ids, offsets, per_sample_weights, include_last_offset)
     # torch has no sparse gradient for max bags; fetched rows give each shard a sparse one anyway.
     by_rows = sparse and mode == "max"
-    ids, padding_idx, max_norm, norm_type, deferred = _prepare(
-        store, ids, padding_idx, max_norm, norm_type, sparse, defer=not by_rows
-    )
-    checked = _check_bag(ids, offsets, include_last_offset, op_checks_ends=deferred)
-    weights = _check_weights(per_sample_weights, ids, mode, store.dtype)
-    src = _source(store, ids if ids.dim() == 1 else ids.reshape(-1), padding_idx, max_norm, norm_type, sparse, by_rows)
+
+    def check() -> tuple:
+        check_bag_mode(mode)
+        given = bags(ids, offsets, per_sample_weights, include_last_offset)  # jagged input as values and offsets
+        prepared = _prepare(store, given[0], padding_idx, max_norm, norm_type, sparse, defer=not by_rows)
+        bag_offsets = check_bag(prepared[0], given[1], given[3], op_checks_ends=prepared[4])
+        return *prepared, given[1], given[3], bag_offsets, check_weights(given[2], prepared[0], mode, store.dtype)
+
+    ids, pad, max_norm, norm_type, deferred, offsets, include_last_offset, bag_offsets, weights = checked(store, check)
+    src = _source(store, ids if ids.dim() == 1 else ids.reshape(-1), pad, max_norm, norm_type, sparse, by_rows)
     indices = src.indices if src.indices.shape == ids.shape else src.indices.reshape(ids.shape)
     options = (src.max_norm, norm_type, scale_grad_by_freq, mode, src.sparse, weights, include_last_offset)
-    op = functools.partial(F.embedding_bag, indices, src.weight, checked, *options, src.padding_idx)
+    op = functools.partial(embedding_bag_rows, indices, src.weight, bag_offsets, *options, src.padding_idx)
     return _refused_ids(op, deferred, store, ids, (offsets, include_last_offset))
 
 
@@ -377,5 +389,5 @@ def _refused_ids(
         error = e
     check_ids(ids, store.layout.num_rows)  # names the first bad id
     if bag is not None:
-        _check_bag(ids, *bag)  # (offsets, include_last_offset): names bad ends
+        check_bag(ids, *bag)  # (offsets, include_last_offset): names bad ends
     raise error

@@ -15,11 +15,11 @@ checks).
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NoReturn, Protocol, runtime_checkable
 
 import torch
 
-from .._errors import ShardvarTypeError
+from .._errors import ShardvarError, ShardvarTypeError
 
 ShardStore = Any  # the store asking (``_store`` imports this module: no import back)
 
@@ -46,8 +46,13 @@ class RowSource(Protocol):
     def rows(
         self, store: ShardStore, ids: torch.Tensor, *, sparse: bool, max_norm: float | None, norm_type: float
     ) -> torch.Tensor:
-        """Rows ``ids`` (1-D, any order, duplicates allowed) as ``[len(ids), width]``, differentiable
-        into the local shards."""
+        """Rows ``ids`` (1-D, any order, duplicates allowed, already checked) as ``[len(ids), width]``,
+        differentiable into the local shards."""
+        ...
+
+    def refuse(self, error: ShardvarError) -> NoReturn:
+        """Called in place of :meth:`rows` by a rank whose input the lookup refused: raises the agreed
+        error on every rank (the other ranks learn of it in their ``rows``)."""
         ...
 
 
@@ -76,7 +81,7 @@ def check_attached(store: ShardStore, exchange: Any, sink: Any, companions: Any)
     found = {name: value for name, value in given.items() if value is not KEEP}
     if found.get("exchange") is not None and not isinstance(exchange, RowSource):
         raise ShardvarTypeError(
-            f"exchange must be a RowSource (world, grouping_key, rows) or None; got {type(exchange).__name__}"
+            f"exchange must be a RowSource (world, grouping_key, rows, refuse) or None; got {type(exchange).__name__}"
         )
     if found.get("sink") is not None and not callable(sink):
         raise ShardvarTypeError(

@@ -15,8 +15,9 @@ import torch
 from .._errors import ShardvarIndexError, ShardvarTypeError
 from .._validate import check_has_values
 from ..layout import Layout, last_occurrence
-from ._functional import gather
+from ._functional import checked, gather
 from ._meta import check_readable
+from ._spread import local
 from ._store import ShardStore
 from ._update import check_writable, scatter
 from ._values import check_local, coerce, device_of, materialise
@@ -118,7 +119,7 @@ def _normalise_ids(ids: torch.Tensor, size: int, axis: int) -> torch.Tensor:
 
 def _read_slice(store: ShardStore, key: slice) -> torch.Tensor:
     layout, axis = store.layout, store.layout.axis
-    if not store.is_complete:  # a distributed variable: the slice's ids, fetched from their owners
+    if not local(store):  # a distributed variable: the slice's ids, fetched from their owners
         return gather(store, torch.arange(layout.num_rows)[key].to(device_of(store))).movedim(0, axis)
     shards = list(store.local_shards().values())
     plan = layout.decompose_slice(key)
@@ -146,40 +147,50 @@ def _at(axis: int, entry: Any) -> tuple:
     return (slice(None),) * axis + (entry,)
 
 
-def getitem(store: ShardStore, key: Any) -> torch.Tensor:
-    """``v[key]``: numpy semantics; reads only the shards that ``key`` touches."""
+def _checked_key(store: ShardStore, key: Any) -> tuple[list[Any], list[int], int, Any]:
+    """(entries, the first dim of each, the index of the sharded axis's entry, what it reads there: a
+    row, a slice, ids, or None for a mask over several dims): every check of ``key``, nothing read."""
     check_readable(store)
-    layout, axis, size = store.layout, store.layout.axis, store.shape[store.layout.axis]
+    axis, size = store.layout.axis, store.shape[store.layout.axis]
     entries, starts = expand_key(key, len(store.shape))
     i = _axis_entry(entries, starts, axis)
     e = entries[i]
     if isinstance(e, torch.Tensor) and e.dtype == torch.bool and e.dim() > 1:
+        return entries, starts, i, None
+    if isinstance(e, int):
+        return entries, starts, i, _normalise_int(e, size, axis)
+    if isinstance(e, slice):
+        return entries, starts, i, e
+    if e.dtype == torch.bool:
+        if e.shape[0] != size:
+            raise ShardvarIndexError(f"boolean index of length {e.shape[0]} does not match axis {axis} of size {size}")
+        return entries, starts, i, torch.nonzero(e).squeeze(1)
+    return entries, starts, i, _normalise_ids(e, size, axis)
+
+
+def getitem(store: ShardStore, key: Any) -> torch.Tensor:
+    """``v[key]``: numpy semantics; reads only the shards that ``key`` touches (a distributed variable's
+    ranks read together: a key one rank refuses is refused on every rank, see ``checked``)."""
+    entries, starts, i, at = checked(store, lambda: _checked_key(store, key))
+    axis = store.layout.axis
+    if at is None:
         whole = materialise(store)  # a mask over several dims, the sharded one among them, reads every row anyway
         whole = _flip_negative_steps(whole, entries, starts, -1)
         return whole[_numpy_style(entries, whole.device)]
-    if isinstance(e, int):
-        index = _normalise_int(e, size, axis)
-        shard, row = layout.locate(torch.tensor([index]))
-        if int(shard) in store.local_shards():
+    if isinstance(at, int):
+        shard, row = store.layout.locate(torch.tensor([at]))
+        if local(store):
             compact = store.local_shards()[int(shard)].narrow(axis, int(row), 1).to(device_of(store))
-        else:
-            compact = gather(store, torch.tensor([index], device=device_of(store))).movedim(0, axis)
+        else:  # collective on a distributed variable, also on the rank that holds the row
+            compact = gather(store, torch.tensor([at], device=device_of(store))).movedim(0, axis)
         entries[i] = 0
-    elif isinstance(e, slice):
-        compact = _read_slice(store, e)
+    elif isinstance(at, slice):
+        compact = _read_slice(store, at)
         entries[i] = slice(None)
     else:
-        if e.dtype == torch.bool:
-            if e.shape[0] != size:
-                raise ShardvarIndexError(
-                    f"boolean index of length {e.shape[0]} does not match axis {axis} of size {size}"
-                )
-            ids = torch.nonzero(e).squeeze(1)
-        else:
-            ids = _normalise_ids(e, size, axis)
-        rows = gather(store, ids.reshape(-1).to(device_of(store)))
+        rows = gather(store, at.reshape(-1).to(device_of(store)))
         compact = rows.movedim(0, axis) if axis else rows
-        entries[i] = torch.arange(ids.numel(), device=compact.device).reshape(ids.shape)
+        entries[i] = torch.arange(at.numel(), device=compact.device).reshape(at.shape)
     compact = _flip_negative_steps(compact, entries, starts, i)
     return compact[_numpy_style(entries, compact.device)]
 

@@ -16,7 +16,7 @@ import torch
 
 from .._errors import ShardvarTypeError, ShardvarValueError
 
-__all__ = ["is_nested", "on_values", "bags"]
+__all__ = ["bags", "check_jagged", "is_nested", "on_values"]
 
 _FORMS = (
     "a tensor, a list or int of ids, or a jagged nested tensor (torch.nested.nested_tensor(..., layout=torch.jagged))"
@@ -27,7 +27,7 @@ def is_nested(ids: Any) -> bool:
     return isinstance(ids, torch.Tensor) and ids.is_nested
 
 
-def _check_jagged(ids: torch.Tensor, what: str) -> None:
+def check_jagged(ids: torch.Tensor, what: str) -> None:
     if ids.layout != torch.jagged:
         raise ShardvarTypeError(f"{what} must be {_FORMS}; got a nested tensor with layout={ids.layout}")
 
@@ -36,7 +36,7 @@ def on_values(ids: Any, lookup: Callable[[Any], torch.Tensor]) -> torch.Tensor:
     """``lookup(ids)``; for jagged ids, ``lookup`` of their values wrapped in their jagged structure."""
     if not is_nested(ids):
         return lookup(ids)
-    _check_jagged(ids, "ids")
+    check_jagged(ids, "ids")
     rows = lookup(ids.values())
     return torch.nested.nested_tensor_from_jagged(rows, ids.offsets(), ids.lengths(), jagged_dim=ids._ragged_idx)
 
@@ -49,7 +49,7 @@ def bags(ids: Any, offsets: Any, per_sample_weights: Any, include_last_offset: b
                 f"per_sample_weights may be jagged only when the input is jagged; got input of shape {list(ids.shape)}"
             )
         return ids, offsets, per_sample_weights, include_last_offset
-    _check_jagged(ids, "input")
+    check_jagged(ids, "input")
     if ids.dim() != 2 or ids._ragged_idx != 1 or ids.lengths() is not None:
         raise ShardvarValueError(
             f"jagged input to a bag lookup must be [B, j] bags without holes (ragged dimension 1, no lengths); "
@@ -63,7 +63,7 @@ def bags(ids: Any, offsets: Any, per_sample_weights: Any, include_last_offset: b
         )
     weights = per_sample_weights
     if is_nested(weights):
-        _check_jagged(weights, "per_sample_weights")
+        check_jagged(weights, "per_sample_weights")
         if not torch.equal(weights.offsets(), ids.offsets()):
             raise ShardvarValueError(
                 f"jagged per_sample_weights must have the input's offsets {ids.offsets().tolist()[:8]} (one weight per "

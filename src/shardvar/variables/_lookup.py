@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from .._errors import ShardvarDTypeError, ShardvarTypeError, ShardvarValueError
 from .._validate import check_choice, check_has_values, check_number
@@ -46,7 +45,7 @@ def as_sharded(params: Any, partition_strategy: str | None, default: str = "mod"
         raise ShardvarTypeError(
             f"params must be a ShardedVariable, a tensor or a list of tensors; got {type(params).__name__}"
         )
-    variable = ShardedVariable(list(params), strategy=strategy)
+    variable = ShardedVariable(list(params), partition_strategy=strategy)
     layout = variable.layout
     if layout.contiguous and not layout.is_balanced:
         raise ShardvarValueError(
@@ -182,7 +181,9 @@ def _combine(
     else:  # clipped rows, or a low-precision table's rows in float32: pooled apart
         rows = _clip(_functional.gather(store, ids), 1, max_norm).reshape(ids.numel(), store.width).to(dtype)
         positions = torch.arange(ids.numel(), device=rows.device)
-        out = F.embedding_bag(positions, rows, offsets.to(rows.device), mode=mode, per_sample_weights=per_sample)
+        out = _functional.embedding_bag_rows(
+            positions, rows, offsets.to(rows.device), mode=mode, per_sample_weights=per_sample
+        )
     # bags pool flat rows; params of rank > 2 keep their row shape
     return out.reshape((batch, *store.row_shape)).to(store.dtype)
 
@@ -294,7 +295,7 @@ def embedding_bag(
         flat = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
         pad = flat.shape[0] - 1
         positions = torch.where(input.to(positions.device) == p, pad, positions)
-    return F.embedding_bag(
+    return _functional.embedding_bag_rows(
         positions,
         flat,
         offsets,

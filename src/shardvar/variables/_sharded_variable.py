@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .._deprecation import renamed
 from .._errors import ShardvarDTypeError, ShardvarTypeError, ShardvarValueError
 from .._validate import check_choice, check_device, check_has_values, normalise_axis
 from ..layout import Layout
@@ -78,9 +79,12 @@ class ShardedVariable(TensorMethods, nn.Module):
 
     state_dict_form: str = "logical"  # as a module attribute: one key (the logical tensor) or one per shard
 
-    def __init__(self, shards: Sequence[torch.Tensor], strategy: str = "div", axis: int = 0, name: str | None = None):
+    @renamed(strategy="partition_strategy")
+    def __init__(
+        self, shards: Sequence[torch.Tensor], partition_strategy: str = "div", axis: int = 0, name: str | None = None
+    ):
         shards, axis = _check_shards(shards, axis)
-        layout = Layout(strategy, tuple(s.shape[axis] for s in shards), axis)
+        layout = Layout(partition_strategy, tuple(s.shape[axis] for s in shards), axis)
         first = shards[0]
         shape = (*first.shape[:axis], layout.num_rows, *first.shape[axis + 1 :])
         self._store = ShardStore(layout, shape, dict(enumerate(shards)))
@@ -163,8 +167,17 @@ class ShardedVariable(TensorMethods, nn.Module):
         """The shard tensors held here, in shard order (the same objects, not copies)."""
         return list(self._store.local_shards().values())
 
+    @property
+    def shard_indices(self) -> list[int]:
+        """The index of each shard held here, in the order of :attr:`variables`."""
+        return list(self._store.local_shards())
+
     def local_shards(self) -> dict[int, torch.Tensor]:
-        """The shards held by this process, by shard index."""
+        """The checkpoint protocol: the shards held by this process, by shard index.
+
+        Code reading shards spells it ``dict(zip(v.shard_indices, v.variables))``; this method is
+        what checkpoints, optimizer slots and quantized tables all implement (torch's ShardedTensor name).
+        """
         return self._store.local_shards()
 
     @property

@@ -17,6 +17,7 @@ from torch import nn
 
 from .._errors import ShardvarValueError
 from ._sharded_variable import FORMS, ShardedVariable
+from ._spread import local
 
 __all__ = ["FORMS", "save_logical", "load_logical", "reorder", "check_not_assign", "register_logical_hooks"]
 
@@ -27,7 +28,7 @@ def save_logical(state: dict, prefix: str, name: str, variable: ShardedVariable,
     No copy where the layout allows one (a div slab is already the table). A distributed
     variable's shards are left as they are: the whole tensor lives on no single rank.
     """
-    if not variable.store.is_complete:
+    if not local(variable.store):  # also on a rank that holds every shard: the ranks read together
         return
     for key in shard_keys:
         state.pop(prefix + key, None)

@@ -17,6 +17,7 @@ from .._errors import ShardvarTypeError, ShardvarValueError
 from .._pages import zeros_like
 from .._validate import check_device, check_has_values
 from ._distinct import sparse_rows
+from ._spread import local
 from ._torch_function import inplace, torch_function
 from ._update import check_writable
 from ._values import check_local
@@ -171,7 +172,7 @@ class TensorMethods:
         """The logical gradient (joined from the shards' dense or sparse gradients); None if no shard has one."""
         store = self.store
         grads = {s: t.grad for s, t in store.local_shards().items()}
-        if not store.is_complete or all(g is None for g in grads.values()):
+        if not local(store) or all(g is None for g in grads.values()):
             return None
         if any(g is not None and g.is_sparse for g in grads.values()):
             index, values = [], []

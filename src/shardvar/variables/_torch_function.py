@@ -22,6 +22,7 @@ import torch
 
 from .._errors import ShardvarTypeError, ShardvarValueError
 from ..layout import Layout
+from ._spread import local
 from ._store import ShardStore
 from ._update import assign
 from ._values import as_value, check_local, check_range, materialise
@@ -170,7 +171,7 @@ def _elementwise(func: Callable, args: tuple, kwargs: dict) -> Any:
     if not stores:
         return NotImplemented
     layout = stores[0].layout
-    if any(st.layout != layout or not st.is_complete for st in stores) or len(args) > 3:
+    if any(st.layout != layout or not local(st) for st in stores) or len(args) > 3:
         return NotImplemented
     shapes = [st.shape for st in stores] + [a.shape for a in args if isinstance(a, torch.Tensor)]
     try:
@@ -207,5 +208,5 @@ implements(
 
 
 def reject_distributed(obj: Any, what: str) -> None:
-    if is_sharded(obj) and not _store(obj).is_complete:
+    if is_sharded(obj) and not local(_store(obj)):
         raise ShardvarTypeError(f"{what} is not supported on a distributed variable; use lookups or local_shards()")

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..layout import Layout
+from ._spread import local
 from ._store import ShardStore
 from ._torch_function import implements, is_sharded
 
@@ -57,7 +58,7 @@ def _reduce(store: ShardStore, dims: tuple[int, ...], keepdim: bool, part: Calla
 
 def _complete(v: Any) -> ShardStore | None:
     store = v.store if is_sharded(v) else None
-    return store if store is not None and store.is_complete and store.groups else None
+    return store if store is not None and local(store) and store.groups else None
 
 
 def _sum_like(func: Callable, args: tuple, kwargs: dict) -> Any:

@@ -10,6 +10,7 @@ from .._errors import ShardvarTypeError, ShardvarValueError
 from .._validate import check_has_values
 from ._functional import gather, slab_weight
 from ._meta import check_readable
+from ._spread import local
 from ._store import ShardStore
 
 __all__ = ["materialise", "as_value", "coerce", "check_local", "check_range", "device_of", "ids_device"]
@@ -27,11 +28,13 @@ def ids_device(store: ShardStore) -> torch.device | None:
 
 
 def check_local(store: ShardStore, what: str) -> list[torch.Tensor]:
-    """The store's shards, all of them; a store missing some (a distributed one) cannot ``what``."""
-    if not store.is_complete:
+    """The store's shards, all of them; a distributed store cannot ``what`` (on no rank, also not on one
+    that holds every shard: the ranks would part ways)."""
+    if not local(store):
         raise ShardvarTypeError(
-            f"{what} needs every shard in this process; a distributed variable holds only this rank's "
-            f"shards {sorted(store.local_shards())} of {store.layout.num_shards}: use lookups, or local_shards()"
+            f"{what} needs every shard in this process; a distributed variable's shards live on the ranks of "
+            f"its group (this rank holds shards {sorted(store.local_shards())} of {store.layout.num_shards}): "
+            "use lookups, or local_shards()"
         )
     return list(store.local_shards().values())
 
@@ -43,7 +46,7 @@ def materialise(store: ShardStore, copy: bool = True) -> torch.Tensor:
     shards in order is already the table), else it is a new tensor.
     """
     check_readable(store)
-    if not store.is_complete:
+    if not local(store):  # collective, on every rank alike
         return gather(store, torch.arange(store.layout.num_rows, device=device_of(store)))
     if store.logical_slab:  # the slab is the table: a view of the shards, or one copy of it
         whole = slab_weight(store).view(store.shape)

@@ -113,11 +113,11 @@ class RecModel(nn.Module):
         return (mlp or self.mlp)(torch.cat([u, i, u * i], dim=1)).squeeze(1)
 
 
-def rec_tables(args: DemoSettings, shards: int, strategy: str) -> tuple[nn.Module, nn.Module]:
-    """The user and item tables in ``shards`` ``strategy`` shards, their values drawn by row from the seed."""
+def rec_tables(args: DemoSettings, shards: int, partition_strategy: str) -> tuple[nn.Module, nn.Module]:
+    """The user and item tables in ``shards`` ``partition_strategy`` shards, values drawn by row from the seed."""
     init = RowInitializer(seed=args.seed, std=0.1)
-    users = ShardedEmbedding(args.users, args.dim, shards, strategy, _weight=init((args.users, args.dim)))
-    items = ShardedEmbedding(args.items, args.dim, shards, strategy, _weight=init((args.items, args.dim)))
+    users = ShardedEmbedding(args.users, args.dim, shards, partition_strategy, _weight=init((args.users, args.dim)))
+    items = ShardedEmbedding(args.items, args.dim, shards, partition_strategy, _weight=init((args.items, args.dim)))
     return users, items
 
 
@@ -208,9 +208,9 @@ def restore_and_compare(
     return restored, float((predictions - reference).abs().max())
 
 
-def other_strategy(strategy: str) -> str:
+def other_strategy(partition_strategy: str) -> str:
     """The strategy the demo restores into: the one it did not train with."""
-    return "div" if strategy == "mod" else "mod"
+    return "div" if partition_strategy == "mod" else "mod"
 
 
 @contextmanager

@@ -50,7 +50,7 @@ def _worker(rank: int, args: DemoSettings, port: int, out: str, bar: StepBar) ->
     with torch.no_grad():
         predictions = model(*eval_batch(data, args), mlp)
     distributed_save({"model": model, "opt": opt}, out)
-    local = [p.numel() * p.element_size() for p in [*users.shards, *items.shards]]
+    local = [p.numel() * p.element_size() for p in [*users.weight.variables, *items.weight.variables]]
     stats = {
         "rank": rank,
         "per_step": per_step,

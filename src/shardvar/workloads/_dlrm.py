@@ -24,10 +24,8 @@ from torch import nn
 from .. import distributed
 from .._errors import ShardvarDistributedError, ShardvarValueError
 from .._validate import check_int, check_number
-from ..checkpoint import load, save
-from ..checkpoint._manifest import MANIFEST
-from ..distributed import DistributedEmbeddingBagCollection
-from ..distributed._comm import DEFAULT_TIMEOUT, Comm
+from ..checkpoint import MANIFEST, load, save
+from ..distributed import DEFAULT_TIMEOUT, Comm, DistributedEmbeddingBagCollection
 from ..nn import EmbeddingBagCollection, TableConfig
 from ..variables import RowInitializer
 
