@@ -23,6 +23,10 @@ BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
         ("bench_optim.py", ["RowWiseAdagrad vs SparseAdam", "RowWiseAdagrad state / table", "peak of 3 steps"]),
         ("bench_fused_step.py", ["step ratio", "build peak / tables", "adam, 8 shard(s)"]),
         ("bench_distributed.py", ["2 ranks, dense", "2 ranks, dtensor", "one process, sparse", "x the bound"]),
+        (
+            "bench_tiered.py",
+            ["tiered, prefetch", "hit rate", "bytes read", "equal the in-memory table's after training: True"],
+        ),
         ("bench_tf_lookup.py", ["shardvar, switch on / F.embedding, switch off", "TensorFlow skipped: no --tf-python"]),
     ],
 )

@@ -61,6 +61,7 @@ from .quantized import (
     QuantizedEmbeddingCollection,
     quantize,
 )
+from .tiered import Tiered
 from .transform import (
     PartitionSpec,
     Plan,
@@ -116,6 +117,7 @@ __all__ = [
     "RowInitializer",
     "ShardedEmbedding",
     "StatefulPartitionedCall",
+    "Tiered",
     "ShardedEmbeddingBag",
     "ShardedLinear",
     "ShardedVariable",

@@ -31,8 +31,8 @@ def as_shards_view(value: Any) -> ShardsView | None:
         return None
     if not all(hasattr(value, a) for a in ("layout", "shape", "dtype")):
         return None
-    packed = getattr(value, "packed", None)
-    return ShardsView(value.layout, tuple(value.shape), value.dtype, dict(value.local_shards()), packed)
+    packed, stream = getattr(value, "packed", None), getattr(value, "stream", None)
+    return ShardsView(value.layout, tuple(value.shape), value.dtype, dict(value.local_shards()), packed, stream)
 
 
 @dataclass

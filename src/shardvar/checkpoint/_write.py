@@ -69,7 +69,7 @@ def entry_of(name: str, value: ShardsView | torch.Tensor) -> Entry:
     if isinstance(value, ShardsView):
         shards = value.shards
         shapes = {s: tuple(t.shape) for s, t in sorted(shards.items())}
-        return Entry(name, value.dtype, value.shape, value.layout, shapes, lambda s: shards[s])
+        return Entry(name, value.dtype, value.shape, value.layout, shapes, lambda s: shards[s], stream=value.stream)
     layout = Layout("div", (value.shape[0],)) if value.dim() else None
     return Entry(name, value.dtype, tuple(value.shape), layout, {0: tuple(value.shape)}, lambda s: value, True)
 

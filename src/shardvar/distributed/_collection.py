@@ -139,6 +139,9 @@ class DistributedEmbeddingBagCollection(nn.Module):
     ) -> None:
         super().__init__()
         check_tables(tables, sparse, self.pooled)
+        tiered = [n for n, c in tables.items() if c.storage is not None]
+        if tiered:  # each rank's own file is not built yet: refused, not silently held in RAM
+            raise ShardvarValueError(f"tables {tiered} have storage=: a distributed collection holds its rows in RAM")
         world = Comm(group, timeout).world
         placement = plan_collection(tables, world) if placement == "auto" else placement or {}
         if not isinstance(placement, dict):

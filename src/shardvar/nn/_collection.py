@@ -28,6 +28,7 @@ from ._embedding import ShardedEmbedding, ShardedEmbeddingBag
 from ._jagged import KeyedJagged, jagged_split
 from ._pack import feature_bags, pack
 from ._pooled import sparse_pooled
+from ._tiered import TieredTable
 
 __all__ = ["EmbeddingBagCollection", "TableConfig", "KeyedJagged", "pack"]
 
@@ -54,7 +55,7 @@ class EmbeddingBagCollection(nn.Module):
         def make(cfg: TableConfig, store: Any) -> ShardedEmbeddingBag:
             return ShardedEmbeddingBag(
                 cfg.num_embeddings, cfg.embedding_dim, cfg.partitioner, cfg.partition_strategy, mode=cfg.mode,
-                sparse=sparse, dtype=dtype, _store=store,
+                sparse=sparse, dtype=dtype, _store=store, storage=cfg.storage,
             )  # fmt: skip
 
         self.embedding_bags = nn.ModuleDict(build_tables(tables, make, dtype))
@@ -89,6 +90,7 @@ class EmbeddingBagCollection(nn.Module):
 def _batchable(bag: Table) -> bool:
     """Looked up with other tables in one kernel: no option that needs the table's own call."""
     plain = bag.padding_idx is None and bag.max_norm is None and not bag.scale_grad_by_freq
+    plain = plain and not isinstance(bag, TieredTable)  # its rows are in its tier: its own lookup
     return plain and not getattr(bag, "include_last_offset", False) and bag.layout.axis == 0
 
 

@@ -23,7 +23,7 @@ from .._errors import ShardvarTypeError, ShardvarValueError
 from .._pages import empty
 from .._validate import check_bag_mode, check_choice, check_float_dtype, check_int
 from ..layout import Layout
-from ..variables import ShardStore, shards_over, to_layout
+from ..variables import ShardStore, TableStorage, shards_over, to_layout
 from ._jagged import check_names
 
 __all__ = ["FeatureMap", "TableConfig", "build_tables", "check_tables", "feature_map"]
@@ -45,8 +45,11 @@ class TableConfig:
     partition_strategy: str = "div"
     mode: str = "sum"
     feature_names: tuple[str, ...] | None = None
+    storage: Any = None  # shardvar.Tiered(...): the table's rows in a file (a group of its own)
 
     def __post_init__(self) -> None:
+        if self.storage is not None and not isinstance(self.storage, TableStorage):
+            raise ShardvarTypeError(f"storage must be shardvar.Tiered(path, cache_bytes=...); got {self.storage!r:.80}")
         if self.feature_names is not None:
             names = check_names(self.feature_names, "feature_names")
             if not names:
@@ -127,18 +130,22 @@ def _store_over(slab: torch.Tensor, first: int, layout: Layout, shape: tuple[int
     return ShardStore(layout, shape, dict(enumerate(shards_over(slab, first, layout.sizes))))
 
 
+def pieces(rows: int, width: int, dtype: torch.dtype) -> list[tuple[int, int]]:
+    """Row ranges whose ``normal_`` draws, one after the other, equal one draw of the whole table."""
+    step = max(16, PIECE_BYTES // max(width * dtype.itemsize, 1) // 16 * 16)  # whole 16-value blocks
+    cuts = [*list(range(0, rows, step))[: max(rows // step, 1)], rows]  # the last piece takes the rest
+    return list(itertools.pairwise(cuts))
+
+
 @torch.no_grad()
 def _draw(store: ShardStore) -> None:
     """``nn.init.normal_`` of the logical table, written into the store's rows piece by piece."""
-    rows, width = store.shape[0], store.width
-    step = max(16, PIECE_BYTES // max(width * store.dtype.itemsize, 1) // 16 * 16)  # whole 16-value blocks
-    cuts = [*list(range(0, rows, step))[: max(rows // step, 1)], rows]  # the last piece takes the rest
     slab = store.full_slab
-    for a, b in itertools.pairwise(cuts):
+    for a, b in pieces(store.shape[0], store.width, store.dtype):
         if store.logical_slab:
             nn.init.normal_(slab[a:b])
             continue
-        piece = nn.init.normal_(torch.empty((b - a, width), dtype=store.dtype, device=slab.device))
+        piece = nn.init.normal_(torch.empty((b - a, store.width), dtype=store.dtype, device=slab.device))
         slab.index_copy_(0, store.slab_rows(torch.arange(a, b, device=slab.device)), piece)
 
 
@@ -147,8 +154,8 @@ def build_tables(
 ) -> dict[str, nn.Module]:
     """``make(config, store)`` for each TableConfig, the stores of one (width, mode) sharing one allocation.
 
-    A table whose layout is not split by rows gets ``store=None``: ``make`` builds (and checks) it
-    its own way.
+    A table whose layout is not split by rows, or whose rows are in a storage tier, gets ``store=None``:
+    ``make`` builds (and checks) it its own way.
     """
     dtype = check_float_dtype(dtype) or torch.get_default_dtype()
     layouts = {
@@ -157,7 +164,7 @@ def build_tables(
     }
     groups: dict[tuple[int, str], list[str]] = {}
     for name, c in tables.items():
-        if layouts[name].axis == 0:
+        if layouts[name].axis == 0 and c.storage is None:  # a tiered table is never in a group's allocation
             groups.setdefault((c.embedding_dim, c.mode), []).append(name)
     stores: dict[str, ShardStore] = {}
     for (dim, _), names in groups.items():

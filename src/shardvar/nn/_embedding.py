@@ -25,8 +25,9 @@ from .._validate import (
 from ..layout import Layout
 from ..variables import ShardStore, functional, to_layout
 from ._sharded_weight import ShardedWeight
+from ._tiered import TieredTable, forward_bag, forward_embedding
 
-__all__ = ["ShardedEmbedding", "ShardedEmbeddingBag"]
+__all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "TieredEmbedding", "TieredEmbeddingBag"]
 
 
 def _initial_weight(
@@ -51,6 +52,17 @@ class _ShardedTable(ShardedWeight):
     initialisers that fill ``module.weight.data``) treats them as one.
     """
 
+    def __new__(cls, *args: Any, storage: Any = None, **kwargs: Any) -> Any:
+        # storage=shardvar.Tiered(...): the table's tiered twin (a subclass: isinstance still holds)
+        if storage is not None and not issubclass(cls, TieredTable):
+            if cls not in _TIERED:
+                raise ShardvarValueError(
+                    f"storage= is not supported by {cls.__name__} (its rows are held in RAM): a tiered table is a "
+                    "ShardedEmbedding, a ShardedEmbeddingBag or a TableConfig of a local collection"
+                )
+            cls = _TIERED[cls]
+        return super().__new__(cls)
+
     # nn.Embedding's signature plus the layout's arguments, as DynamicEmbedding's and (for
     # nn.Linear) ShardedLinear's are: alike in shape because each is a drop-in for a torch module.
     def __init__(
@@ -71,6 +83,7 @@ class _ShardedTable(ShardedWeight):
         devices: list[torch.device | str] | None = None,
         *,
         _store: ShardStore | None = None,
+        storage: Any = None,  # given (shardvar.Tiered): __new__ made this a TieredEmbedding(Bag)
     ) -> None:
         nn.Module.__init__(self)  # not nn.Embedding's: it would allocate the whole table
         dtype = check_float_dtype(dtype)
@@ -215,3 +228,22 @@ class ShardedEmbeddingBag(_ShardedTable, nn.EmbeddingBag):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", mode={self.mode!r}"
+
+
+class TieredEmbedding(TieredTable, ShardedEmbedding):
+    """A ShardedEmbedding whose rows live in a backing file, the hot ones in a bounded cache (``storage=``)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return forward_embedding(self, input)
+
+
+class TieredEmbeddingBag(TieredTable, ShardedEmbeddingBag):
+    """A ShardedEmbeddingBag whose rows live in a backing file, the hot ones in a bounded cache (``storage=``)."""
+
+    def forward(
+        self, input: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return forward_bag(self, input, offsets, per_sample_weights)
+
+
+_TIERED: dict[type, type] = {ShardedEmbedding: TieredEmbedding, ShardedEmbeddingBag: TieredEmbeddingBag}

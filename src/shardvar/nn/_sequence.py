@@ -45,7 +45,7 @@ class EmbeddingCollection(nn.Module):
         def make(cfg: TableConfig, store: Any) -> ShardedEmbedding:
             return ShardedEmbedding(
                 cfg.num_embeddings, cfg.embedding_dim, cfg.partitioner, cfg.partition_strategy, sparse=sparse,
-                dtype=dtype, _store=store,
+                dtype=dtype, _store=store, storage=cfg.storage,
             )  # fmt: skip
 
         self.embeddings = nn.ModuleDict(build_tables(tables, make, dtype))

@@ -175,7 +175,8 @@ class TableOptimizer(torch.optim.Optimizer):
         for t in self.tables:
             for slot in self.slots:
                 out[f"{t.name}/{slot}"] = t.checkpointed(slot)
-            if t.store.local_shards():  # a table held elsewhere only: a rank that steps it saves its step count
+            # a table held elsewhere only: a rank that steps it saves its step count (a tiered one: held here)
+            if t.store is None or t.store.local_shards():
                 out[f"{t.name}/step"] = t.step
         return out
 
@@ -188,6 +189,8 @@ class TableOptimizer(torch.optim.Optimizer):
         for tables, group in zip(self._groups_tables, self.param_groups, strict=True):
             self._check_options(group)
             for t in tables:
+                if t.store is None:  # a tiered table: updated only in backward, by a fused optimizer
+                    continue
                 for g in range(len(t.store.groups)):
                     rows, grad = _slab_grad(t, g, summed=not self.linear(group))
                     if grad is not None:
@@ -212,8 +215,7 @@ class TableOptimizer(torch.optim.Optimizer):
         self, t: Table, group: dict, g: int, rows: torch.Tensor | None, grad: torch.Tensor, step: int, sparse: bool
     ) -> None:
         """Update group ``g`` of table ``t``: the whole slab (``rows`` None) or those slab rows."""
-        weight = t.store.group_rows(g)
-        state = {slot: xs[g] for slot, xs in t.state.items()}
+        weight, state = t.group_tensors(g)
         if rows is None:  # dense: in place on the slab and its state
             self.update(weight, state, grad, step, group, False)
             return

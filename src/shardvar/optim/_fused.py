@@ -35,8 +35,8 @@ import torch
 
 from .._errors import ShardvarValueError
 from ..variables import deinterleave, interleave, storage_ids
-from ._base import TableOptimizer
-from ._tables import Table
+from ._base import TableOptimizer, _summed
+from ._tables import Table, TierTable
 
 __all__ = ["fuse", "FusedHandle"]
 
@@ -57,7 +57,10 @@ class FusedHandle:
             h.remove()
         self._hooks.clear()
         for t in self.optimizer.tables:
-            t.store.attach(sink=None)
+            if isinstance(t, TierTable):
+                t.tier.sink = None
+            else:
+                t.store.attach(sink=None)
         for t in self._interleaved:  # back to contiguous shards, which torch's sparse optimizers can update
             if t.store.interleaved and not deinterleave(t.store, _row_state(t)):
                 warnings.warn(
@@ -73,6 +76,10 @@ class FusedHandle:
         """Update ``tables`` (of param group ``group``) inside backward from now on; a frozen table (no shard
         requires grad) is left alone, as ``step()`` leaves a parameter without a gradient."""
         for t in tables:
+            if isinstance(t, TierTable):  # its update runs in its lookup's backward, on its cache's slots
+                if t.anchor.requires_grad:
+                    t.tier.sink = self._tier_sink(t, group)
+                continue
             shards = t.store.local_shards()
             if not any(p.requires_grad for p in shards.values()):
                 continue
@@ -114,6 +121,16 @@ class FusedHandle:
             with torch.no_grad():
                 rows = _as_they_lie(table.store, rows, logical)
                 self.optimizer._apply(table, group, 0, rows, values, int(table.step) + 1, True)
+
+        return take
+
+    def _tier_sink(self, table: TierTable, group: dict[str, Any]) -> Any:
+        def take(slots: torch.Tensor, values: torch.Tensor) -> None:  # one gradient row per looked-up id
+            self._begin(table)
+            with torch.no_grad():
+                rows, grad = _summed(slots, values, slots)  # per row in the order of the ids, as in memory
+                self.optimizer._apply(table, group, 0, rows, grad, int(table.step) + 1, True)
+                table.tier.mark_dirty(rows)
 
         return take
 

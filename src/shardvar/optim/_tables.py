@@ -20,9 +20,9 @@ from torch import nn
 from .._errors import ShardvarTypeError, ShardvarValueError
 from .._pages import empty
 from ..nn import sharded_parameters
-from ..variables import ShardedVariable, ShardStore, ShardsView
+from ..variables import RowTier, ShardedVariable, ShardStore, ShardsView
 
-__all__ = ["Table", "find_tables"]
+__all__ = ["Table", "TierTable", "find_tables"]
 
 
 @dataclass(eq=False)
@@ -63,6 +63,10 @@ class Table:
         once in a distributed save), else a sharded object in the table's layout (each rank its shards)."""
         return self.state[slot][0] if self.whole else self.slot_variable(slot)
 
+    def group_tensors(self, g: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The rows of group ``g`` an update reads and writes, and their state by slot."""
+        return self.store.group_rows(g), {slot: xs[g] for slot, xs in self.state.items()}
+
     def slot_variable(self, slot: str) -> ShardsView:
         """The slot as a sharded object in the table's layout (views of the state tensors)."""
         store, layout = self.store, self.store.layout
@@ -78,6 +82,36 @@ class Table:
         return ShardsView(layout, shape, self.store.dtype, shards)
 
 
+class TierTable(Table):
+    """A table whose rows live in a storage tier (``storage=``): updated in its cache's slots, its state
+    in the cache's state columns (kept with each row in the backing file). Only a fused update reaches it."""
+
+    def __init__(self, name: str, module: nn.Module) -> None:
+        super().__init__(name, None)  # type: ignore[arg-type]  # no store: the tier holds the rows
+        self.tier: RowTier = module.tier
+        self.anchor: torch.Tensor = module.tiered_rows
+        self.layout = module.layout
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return [self.anchor]
+
+    def add_slot(self, slot: str, row_wise: bool, fill: float) -> None:
+        self.tier.add_slot(slot, 1 if row_wise else self.tier.values.shape[1], fill)
+        self.row_wise[slot] = row_wise
+        self.state[slot] = []
+
+    def group_tensors(self, g: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        state = self.tier.state
+        columns = self.tier.slot_columns()
+        views = {s: state[:, a] if self.row_wise[s] else state[:, a : a + w] for s, (a, w) in columns.items()}
+        return self.tier.values, {s: views[s] for s in self.state}
+
+    def checkpointed(self, slot: str) -> ShardsView | torch.Tensor:
+        """The slot's column(s) of the backing file, in the table's layout, streamed by a checkpoint."""
+        return self.tier.sharded(self.layout, slot, self.row_wise[slot])
+
+
 def _plain(name: str, p: torch.Tensor) -> Table:
     if not isinstance(p, torch.Tensor) or not p.is_leaf:
         raise ShardvarTypeError(f"parameter {name!r} must be a leaf tensor (an nn.Parameter); got {type(p).__name__}")
@@ -89,6 +123,10 @@ def _plain(name: str, p: torch.Tensor) -> Table:
 def _from_module(module: nn.Module, prefix: str) -> list[Table]:
     tables, taken = [], set()
     for mod_name, sub in module.named_modules():
+        if isinstance(getattr(sub, "tier", None), RowTier):  # a tiered table: its rows are in its tier
+            tables.append(TierTable(f"{prefix}{mod_name}.weight" if mod_name else f"{prefix}weight", sub))
+            taken.add(id(sub.tiered_rows))
+            continue
         for local, value in sharded_parameters(sub, recurse=False).items():
             store = getattr(value, "store", None)
             if store is None:  # a view without a store of its own: its shards are found below, as parameters

@@ -9,5 +9,16 @@ below ``checkpoint``. ``RowFile`` holds every row with its optimizer state; ``Ro
 from ._cache import POLICIES, CacheStats, RowCache
 from ._file import BackingFileError, RecordLayout, RowFile
 from ._prefetch import Prefetcher
+from ._storage import Tiered, TieredRows
 
-__all__ = ["BackingFileError", "CacheStats", "POLICIES", "Prefetcher", "RecordLayout", "RowCache", "RowFile"]
+__all__ = [
+    "BackingFileError",
+    "CacheStats",
+    "POLICIES",
+    "Prefetcher",
+    "RecordLayout",
+    "RowCache",
+    "RowFile",
+    "Tiered",
+    "TieredRows",
+]

@@ -99,6 +99,7 @@ class RowFile:
         self.queue_depth = queue_depth
         self._pool = ThreadPoolExecutor(max_workers=queue_depth, thread_name_prefix="shardvar-io")
         self.bytes_read = self.bytes_written = 0
+        self.inline = False  # transfer on the calling thread (a finalizer: the pool's locks may be held)
 
     # -- opening and closing ------------------------------------------------------------------------
     @classmethod
@@ -233,12 +234,24 @@ class RowFile:
                 if done != count * size:
                     raise OSError(errno.EIO, f"short {call.__name__}: {done} of {count * size} bytes")
 
+        parts = [runs[i : i + per] for i in range(0, len(runs), per)]
         try:
-            for f in [self._pool.submit(work, runs[i : i + per]) for i in range(0, len(runs), per)]:
+            futures = None if self.inline else _submitted(self._pool, work, parts)
+            if futures is None:  # a finalizer, or the pool shut down (the interpreter is exiting): this thread
+                for part in parts:
+                    work(part)
+            for f in futures or ():
                 f.result()
         except OSError as e:
             what = "read from" if call is os.preadv else "write to"
             raise BackingFileError(f"cannot {what} backing file {str(self.path)!r}: {e.strerror or e}") from None
+
+
+def _submitted(pool: ThreadPoolExecutor, work: Callable, parts: list) -> list | None:
+    try:
+        return [pool.submit(work, part) for part in parts]
+    except RuntimeError:
+        return None
 
 
 def _lock(fd: int, path: Path) -> None:

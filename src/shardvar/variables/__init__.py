@@ -33,6 +33,7 @@ from ._relayout import deinterleave, interleave
 from ._sharded_variable import ShardedVariable
 from ._state_dict import FORMS, check_not_assign, load_logical, register_logical_hooks, reorder, save_logical
 from ._store import ShardStore
+from ._tier import RowTier, TableStorage, TierSink
 from ._update import scatter
 from ._values import ids_device
 from ._view import ShardsView
@@ -74,6 +75,9 @@ __all__ = [
     "storage_ids",
     "ShardsView",
     "RowInitializer",
+    "RowTier",
+    "TableStorage",
+    "TierSink",
     "attribute_variables",
     "ShardStore",
     "ShardedVariable",

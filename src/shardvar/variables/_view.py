@@ -7,6 +7,7 @@ what a table optimizer's state slot or a distributed collection's table looks li
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,9 @@ class ShardsView:
     dtype: torch.dtype
     shards: dict[int, torch.Tensor]
     packed: dict[str, Any] | None = None  # a quantized table's packed format and width (variables._packed)
+    # Pieces ``(shard, first local row, rows)`` of every shard in order, each a bounded copy: a checkpoint
+    # writes these instead of each shard whole (shards that are strided views of a file: a tiered table's)
+    stream: Callable[[], Iterable[tuple[int, int, torch.Tensor]]] | None = None
 
     def local_shards(self) -> dict[int, torch.Tensor]:
         return dict(self.shards)

@@ -1,0 +1,197 @@
+"""Embedding tables whose rows live in a storage tier (``storage=shardvar.Tiered(...)``).
+
+``ShardedEmbedding(..., storage=...)`` builds a :class:`TieredEmbedding` (a ShardedEmbedding):
+its arguments are checked as for any table (on the meta device, so nothing table-sized is
+allocated), then the storage is opened and filled from the module's initializer, streamed block
+by block: the same ``nn.init.normal_`` draws, in the same pieces, as an in-memory table's
+(``_collection_build``), so both tables are equal under the same seed.
+
+A lookup resolves the batch's distinct ids to cache slots, reads those rows, and runs the lookup
+kernel (``functional.embedding_rows`` / ``embedding_bag_rows``) over them with each id's position
+(padding, bags, per-sample weights as for any table). Its backward hands each looked-up id's
+gradient row to the tier's sink: the update of a shardvar
+optimizer fused into backward (``optim.fuse``), which is the only way a tiered table trains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._errors import ShardvarIndexError, ShardvarTypeError, ShardvarValueError
+from ..variables import RowTier, TableStorage, functional
+from ._collection_build import pieces
+
+__all__ = ["TieredTable", "tiered_blocks"]
+
+TRAINS = (
+    "a tiered table trains only through a shardvar.optim optimizer fused into backward "
+    "(RowWiseAdagrad, RowWiseAdam, Adagrad, Adam or SGD, then shardvar.optim.fuse(optimizer))"
+)
+
+
+def tiered_blocks(
+    rows: int, dim: int, dtype: torch.dtype, weight: torch.Tensor | None, padding_idx: int | None
+) -> Iterator[torch.Tensor]:
+    """The table's initial rows in order, a piece at a time (what the in-memory table would hold)."""
+    for a, b in pieces(rows, dim, dtype):
+        block = (
+            weight[a:b].detach().to("cpu", dtype)
+            if weight is not None
+            else nn.init.normal_(torch.empty((b - a, dim), dtype=dtype))
+        )
+        if weight is None and padding_idx is not None and a <= padding_idx < b:
+            block[padding_idx - a].zero_()
+        yield block
+
+
+class _TierRows(torch.autograd.Function):
+    """The rows at ``slots`` of the tier's cache; backward hands their gradient to the tier's sink."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, tier: RowTier, slots: torch.Tensor, token: Any) -> torch.Tensor:
+        ctx.tier, ctx.slots, ctx.token = tier, slots, token
+        return tier.values.index_select(0, slots)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
+        tier, slots = ctx.tier, ctx.slots
+        ctx.token = None  # the batch's rows may move once its update is done
+        if tier.sink is None:
+            raise ShardvarTypeError(TRAINS + "; no fused optimizer holds this table")
+        if grad.is_sparse:  # one row per looked-up id: the sink sums them per row, as an in-memory table's update
+            tier.sink(slots[grad._indices()[0]], grad._values())
+        else:
+            tier.sink(slots, grad)
+        return None, None, None, None
+
+
+class TieredTable:
+    """What ShardedEmbedding(Bag) become over a storage tier (mixed in before the module's class)."""
+
+    tier: RowTier
+
+    def __init__(self, *args: Any, storage: Any, **kwargs: Any) -> None:
+        if not isinstance(storage, TableStorage):
+            raise ShardvarTypeError(f"storage must be shardvar.Tiered(path, cache_bytes=...); got {storage!r:.80}")
+        if kwargs.get("devices") is not None:
+            raise ShardvarValueError("a tiered table's cache is in CPU memory: leave devices None")
+        weight = kwargs.get("_weight", args[9] if len(args) > 9 else None)  # _weight's place in both signatures
+        device = kwargs.pop("device", None)
+        if device is not None and torch.device(device).type != "cpu":
+            raise ShardvarValueError(f"a tiered table's cache is in CPU memory; got device={device!r}")
+        super().__init__(*args, device="meta", **kwargs)  # every argument checked; nothing allocated
+        if self.max_norm is not None:  # it would renormalise rows of the file in every lookup
+            raise ShardvarValueError(f"max_norm is not supported by a tiered table; got max_norm={self.max_norm}")
+        frozen = not next(iter(self._parameters.values())).requires_grad if self._parameters else False
+        dtype = self.lookup_dtype = self._store.dtype  # the meta store stays: it holds no memory
+        for name in list(self._parameters):
+            del self._parameters[name]
+        blocks = tiered_blocks(self.num_embeddings, self.embedding_dim, dtype, weight, self.padding_idx)
+        self.tier = storage.open(self.num_embeddings, self.embedding_dim, dtype, blocks)
+        # What autograd hangs the table's backward on (holds nothing): an optimizer over it is refused in
+        # backward unless it is shardvar's, fused.
+        self.tiered_rows = nn.Parameter(torch.empty(0), requires_grad=not frozen)
+        self._state_dict_hooks.clear()  # the in-memory table's logical form reads .weight: not here
+        self._load_state_dict_pre_hooks.clear()
+
+    @property
+    def store(self) -> Any:
+        raise ShardvarTypeError("a tiered table has no store in RAM: its rows live in its backing file")
+
+    @property
+    def weight(self) -> Any:
+        raise ShardvarTypeError(
+            "a tiered table's weight is not materialised (it may not fit in memory): look rows up, read them with "
+            "table.tier.peek(ids), or save a checkpoint"
+        )
+
+    def sharded_variables(self) -> dict[str, Any]:
+        """The table as a sharded object over its backing file (a checkpoint streams it, or loads into it)."""
+        return {"weight": self.tier.sharded(self.layout)}
+
+    def checkpoint_hook(self, event: str) -> None:
+        if event == "after_load":  # the file was written under the cache: its rows are stale
+            self.tier.reload()
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        # ``weight``: the table over its file, as a checkpoint takes it (never materialised here); the
+        # anchor holds nothing and is left out, so the keys are an in-memory table's
+        destination[prefix + "weight"] = self.sharded_variables()["weight"]
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        if any(k.startswith(prefix) for k in state_dict):
+            raise ShardvarTypeError(
+                "a tiered table does not load a state dict (it would hold the whole table in memory): restore it "
+                "from a checkpoint with shardvar.load, which streams the rows into its backing file"
+            )
+
+    def reset_parameters(self) -> None:
+        raise ShardvarTypeError("a tiered table is initialised once, when its backing file is created")
+
+    def cache_stats(self) -> dict[str, float]:
+        """The cache's hit rate, hits, misses, evictions, rows written back, bytes read and written."""
+        return self.tier.cache_stats()
+
+    @property
+    def cache(self) -> Any:
+        """The tier's row cache (give it to ``shardvar.tiered.Prefetcher``)."""
+        return self.tier.cache
+
+    def close(self) -> None:
+        """Write back the rows that changed and close the backing file cleanly."""
+        self.tier.close()
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", storage={self.tier.spec!r}"
+
+    def _rows(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """(the rows of the batch's distinct ids, each id's position among them, the padding row's)."""
+        ids = _checked_ids(input, self.num_embeddings)
+        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        grad = torch.is_grad_enabled() and self.tiered_rows.requires_grad
+        slots, token = self.tier.resolve(unique, grad=grad)
+        rows = _TierRows.apply(self.tiered_rows, self.tier, slots, token) if grad else self.tier.values[slots]
+        pad = None
+        if self.padding_idx is not None:
+            at = torch.searchsorted(unique, torch.tensor([self.padding_idx]))
+            if int(at) < unique.numel() and int(unique[at]) == self.padding_idx:
+                pad = int(at)
+        return rows, inverse.view(ids.shape), pad
+
+
+def _checked_ids(input: Any, rows: int) -> torch.Tensor:
+    if not isinstance(input, torch.Tensor) or input.dtype not in (torch.int32, torch.int64):
+        got = input.dtype if isinstance(input, torch.Tensor) else type(input).__name__
+        raise ShardvarTypeError(f"ids must be an int32 or int64 tensor; got {got}")
+    if input.numel() and (int(input.min()) < 0 or int(input.max()) >= rows):
+        raise ShardvarIndexError(f"ids must be in [0, {rows}); got {int(input.min())}..{int(input.max())}")
+    return input.to(torch.int64)
+
+
+def forward_embedding(module: Any, input: torch.Tensor) -> torch.Tensor:
+    rows, positions, pad = module._rows(input)
+    # sparse: one gradient row per id, summed per row by the update as in memory (torch has no sparse
+    # gradient with scale_grad_by_freq, nor for max bags: then the op's dense one over the batch's rows)
+    scale = module.scale_grad_by_freq
+    return functional.embedding_rows(positions, rows, pad, None, 2.0, scale, sparse=not scale)
+
+
+def forward_bag(module: Any, input: torch.Tensor, offsets: Any, per_sample_weights: Any) -> torch.Tensor:
+    rows, positions, pad = module._rows(input)
+    return functional.embedding_bag_rows(
+        positions,
+        rows,
+        offsets,
+        None,
+        2.0,
+        module.scale_grad_by_freq,
+        module.mode,
+        module.mode != "max" and not module.scale_grad_by_freq,
+        per_sample_weights,
+        module.include_last_offset,
+        pad,
+    )

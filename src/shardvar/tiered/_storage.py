@@ -1,0 +1,250 @@
+"""``shardvar.Tiered``: the storage option of a table whose rows live in a file, the hot ones in RAM.
+
+``Tiered(path, cache_bytes=..., policy=...)`` is a value (it opens nothing); a module given it
+as ``storage=`` opens it (:meth:`Tiered.open`) into a :class:`TieredRows`: the backing file
+(:class:`RowFile`), streamed full from the module's initializer block by block, and a
+:class:`RowCache` of as many rows (with their optimizer state) as ``cache_bytes`` holds.
+
+The optimizer's state is added when an optimizer takes the table (``add_slot``): the file is
+rewritten once, chunk by chunk, into records wide enough for it (a new file renamed over the old).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._errors import ShardvarTypeError, ShardvarValueError
+from .._validate import check_choice, check_int, check_number
+from ..variables import TierSink
+from ._cache import POLICIES, RowCache
+from ._file import BackingFileError, RecordLayout, RowFile
+from ._views import mapped, sharded_view
+
+__all__ = ["Tiered", "TieredRows"]
+
+CHUNK_ROWS = 1 << 14  # rows streamed at once when a file is filled or widened
+
+
+@dataclass(frozen=True)
+class Tiered:
+    """Keep a table's rows in the file ``path``, at most ``cache_bytes`` of rows and state in RAM.
+
+    ``policy``: which rows leave the cache first, ``"lru"`` (least recently used) or ``"lfu"``
+    (least often). ``queue_depth``: reads and writes in flight at once (a disk serves many in parallel).
+    """
+
+    path: str | os.PathLike
+    cache_bytes: int
+    policy: str = "lru"
+    queue_depth: int = 32
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str | os.PathLike):
+            raise ShardvarTypeError(f"path must be a file path; got {type(self.path).__name__}")
+        path = Path(self.path)
+        folder = path.parent
+        if not folder.is_dir():
+            raise BackingFileError(f"the folder of backing file {str(path)!r} does not exist; create it first")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise BackingFileError(f"the folder of backing file {str(path)!r} is not writable")
+        check_int(self.cache_bytes, "cache_bytes", minimum=1)
+        check_choice(self.policy, "policy", POLICIES)
+        check_int(self.queue_depth, "queue_depth", minimum=1)
+
+    def open(self, rows: int, dim: int, dtype: torch.dtype, blocks: Iterator[torch.Tensor]) -> TieredRows:
+        """A new backing file of ``rows`` x ``dim`` filled from ``blocks``, and its cache."""
+        layout = RecordLayout(rows, dim, str(dtype).removeprefix("torch."), 0)
+        capacity = _capacity(self.cache_bytes, layout)
+        path = Path(self.path)
+        if path.exists():
+            _refuse_existing(path)
+        file = RowFile.create(
+            path, layout, _streamed(blocks, dim, dtype), chunk_rows=CHUNK_ROWS, queue_depth=self.queue_depth
+        )
+        return TieredRows(self, file, RowCache(file, capacity, self.policy))
+
+
+def _capacity(cache_bytes: int, layout: RecordLayout) -> int:
+    per_row = layout.row_bytes + 4 * layout.state_width
+    if cache_bytes < per_row:
+        raise ShardvarValueError(f"cache_bytes={cache_bytes} holds no row: one row and its state take {per_row} bytes")
+    return min(cache_bytes // per_row, max(layout.rows, 1))
+
+
+def _refuse_existing(path: Path) -> None:
+    """An existing file is never reused as a table's rows: a backing file is not a checkpoint."""
+    RowFile.open(path).close()  # refuses a busy or unclean file with its own reason
+    raise BackingFileError(
+        f"backing file {str(path)!r} already exists: a backing file is not a checkpoint. Remove it (or give another "
+        "path), and restore the table's rows from a checkpoint with shardvar.load"
+    )
+
+
+def _streamed(blocks: Iterator[torch.Tensor], dim: int, dtype: torch.dtype) -> Any:
+    """``RowFile.create``'s ``init(ids)`` (consecutive chunks, in order) from blocks of any size."""
+    held = [torch.empty((0, dim), dtype=dtype)]
+    start = [0]  # the logical row of held[0]'s first row
+
+    def init(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = int(ids[0]), int(ids[-1]) + 1
+        rows = held[0][a - start[0] :]
+        while rows.shape[0] < b - a:
+            block = next(blocks)
+            rows = torch.cat([rows, block.to(dtype).reshape(-1, dim)])
+        held[0], start[0] = rows[b - a :], b
+        return rows[: b - a], torch.zeros((b - a, 0))
+
+    return init
+
+
+class TieredRows:
+    """A table's rows in a backing file and a bounded cache (the ``RowTier`` a module looks up through)."""
+
+    def __init__(self, spec: Tiered, file: RowFile, cache: RowCache) -> None:
+        self.spec, self.file, self.cache = spec, file, cache
+        self.sink: TierSink | None = None
+        self._columns: dict[str, tuple[int, int]] = {}
+        self._in_flight: dict[int, int] = {}  # step -> forwards of that step whose backward has not run
+        self._map: tuple | None = None  # (file, memmap, values, state) once a checkpoint asked for views
+        self._lock = threading.RLock()  # a pending backward's token may be collected while it is held
+        self._closer = weakref.finalize(self, _close, cache, file)
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.cache.values
+
+    @property
+    def state(self) -> torch.Tensor:
+        return self.cache.state
+
+    @property
+    def layout(self) -> RecordLayout:
+        return self.file.layout
+
+    def resolve(self, ids: torch.Tensor, *, grad: bool) -> tuple[torch.Tensor, Any]:
+        """Slots of ``ids``; rows of batches whose backward is pending stay in theirs."""
+        with self._lock:
+            since = min(self._in_flight) if self._in_flight else None
+        slots = self.cache.resolve(ids, protect_since=since)
+        if not grad:
+            return slots, None
+        step = self.cache.step
+        with self._lock:
+            self._in_flight[step] = self._in_flight.get(step, 0) + 1
+        token = _Token()
+        weakref.finalize(token, self._release, step)  # run at backward's end, or when its graph is dropped
+        return slots, token
+
+    def _release(self, step: int) -> None:
+        with self._lock:
+            left = self._in_flight.pop(step, 1) - 1
+            if left > 0:
+                self._in_flight[step] = left
+
+    def slot_columns(self) -> dict[str, tuple[int, int]]:
+        return dict(self._columns)
+
+    def mark_dirty(self, slots: torch.Tensor) -> None:
+        self.cache.mark_dirty(slots)
+
+    def add_slot(self, name: str, width: int, fill: float) -> None:
+        """Widen every record by ``width`` state values ``fill`` (the file rewritten once, chunk by chunk)."""
+        check_number(fill, "fill")
+        if name in self._columns:
+            return
+        if self._in_flight:
+            raise ShardvarValueError("cannot add optimizer state to a tiered table while a backward is pending")
+        old = self.file.layout
+        layout = RecordLayout(old.rows, old.dim, old.dtype, old.state_width + width)
+        capacity = _capacity(self.spec.cache_bytes, layout)  # checked before anything changes
+        self.cache.flush()
+        path = self.file.path
+        wider = path.with_name(path.name + ".widening")
+        wider.unlink(missing_ok=True)
+
+        def init(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            values, state = old.split(self.file.read(ids))
+            return values, torch.cat([state, torch.full((ids.numel(), width), float(fill))], 1)
+
+        new = RowFile.create(wider, layout, init, chunk_rows=CHUNK_ROWS, queue_depth=self.spec.queue_depth)
+        self._closer.detach()
+        self.file.close()
+        os.replace(wider, path)
+        new.path = path
+        stats = self.cache.stats
+        self.file, self.cache = new, RowCache(new, capacity, self.spec.policy)
+        self.cache.stats = stats
+        self._closer = weakref.finalize(self, _close, self.cache, new)
+        self._columns[name] = (old.state_width, width)
+
+    def sharded(self, layout: Any, slot: str | None = None, row_wise: bool = False) -> Any:
+        """The rows (``slot`` None) or the state slot ``slot`` as a ShardsView in ``layout`` over the file
+        (every changed row written back first)."""
+        self.cache.flush()
+        if self._map is None or self._map[0] is not self.file:
+            self._map = (self.file, *mapped(self.file))
+        _, _, values, state = self._map
+        rows = self.file.layout.rows
+        if slot is None:
+            return sharded_view(layout, (rows, values.shape[1]), values)
+        first, width = self._columns[slot]
+        column = state[:, first] if row_wise else state[:, first : first + width]
+        return sharded_view(layout, tuple(column.shape), column)
+
+    def reload(self) -> None:
+        """Forget every cached row without writing it back: the file was just written (a checkpoint loaded)."""
+        if self._in_flight:
+            raise ShardvarValueError("cannot load a tiered table while a backward of its lookups is pending")
+        stats = self.cache.stats
+        self.cache = RowCache(self.file, self.cache.capacity, self.spec.policy)
+        self.cache.stats = stats
+        self._closer.detach()
+        self._closer = weakref.finalize(self, _close, self.cache, self.file)
+
+    def cache_stats(self) -> dict[str, float]:
+        """Hit rate, hits, misses, evictions, rows written back, bytes read and written, capacity."""
+        s = self.cache.stats
+        return {
+            "hit_rate": s.hit_rate,
+            "hits": s.hits,
+            "misses": s.misses,
+            "evictions": s.evictions,
+            "written_back": s.written_back,
+            "prefetched": s.prefetched,
+            "bytes_read": self.file.bytes_read,
+            "bytes_written": self.file.bytes_written,
+            "capacity_rows": self.cache.capacity,
+            "cache_bytes": self.cache.nbytes,
+        }
+
+    def peek(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values, state) of rows ``ids`` as they are now, wherever they are held; changes nothing."""
+        return self.cache.peek(ids)
+
+    def flush(self) -> None:
+        self.cache.flush()
+
+    def close(self) -> None:
+        """Write back what changed and close the file cleanly (also done when the table is collected)."""
+        self._closer()
+
+
+class _Token:
+    """Kept by a pending backward: its batch's rows stay in their slots while it lives."""
+
+    __slots__ = ("__weakref__",)
+
+
+def _close(cache: RowCache, file: RowFile) -> None:
+    if file.fd >= 0:
+        file.inline = True  # maybe run by the garbage collector, inside another file's pool call
+        cache.flush()
+        file.close()
