@@ -89,6 +89,17 @@ def _ranks(spec: Any, layout: Layout, index: int, world: int, name: str) -> list
 _FIELDS = ("num_embeddings", "embedding_dim", "partitioner", "partition_strategy", "mode", "feature_names")
 
 
+def _checked_placement(tables: dict[str, TableConfig], placement: Any, world: int) -> dict[str, Any]:
+    """The placement of each named table (``"auto"``: planned for ``world`` ranks), its names checked."""
+    placement = plan_collection(tables, world) if placement == "auto" else placement or {}
+    if not isinstance(placement, dict):
+        raise ShardvarTypeError(f"placement must be a dict of table -> placement, or 'auto'; got {placement!r}")
+    unknown = sorted(set(placement) - set(tables))
+    if unknown:
+        raise ShardvarValueError(f"placement names tables {unknown} that are not in the collection")
+    return placement
+
+
 def _agree(comm: Comm, tables: dict[str, TableConfig], placement: dict[str, Any], sparse: bool) -> None:
     """Every rank was given the same tables: else one short error naming the table, the argument
     and both values (the packed groups the tables become would only differ in their shapes)."""
@@ -143,12 +154,7 @@ class DistributedEmbeddingBagCollection(nn.Module):
         if tiered:  # each rank's own file is not built yet: refused, not silently held in RAM
             raise ShardvarValueError(f"tables {tiered} have storage=: a distributed collection holds its rows in RAM")
         world = Comm(group, timeout).world
-        placement = plan_collection(tables, world) if placement == "auto" else placement or {}
-        if not isinstance(placement, dict):
-            raise ShardvarTypeError(f"placement must be a dict of table -> placement, or 'auto'; got {placement!r}")
-        unknown = sorted(set(placement) - set(tables))
-        if unknown:
-            raise ShardvarValueError(f"placement names tables {unknown} that are not in the collection")
+        placement = _checked_placement(tables, placement, world)
         _agree(Comm(group, timeout), tables, placement, sparse)
         self.configs = dict(tables)
         self.served = feature_map(tables)
