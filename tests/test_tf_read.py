@@ -140,7 +140,9 @@ def test_import_shardvar_reaches_tf_without_loading_protobuf() -> None:
 
 
 def test_public_names() -> None:
-    assert set(shardvar.tf.__all__) == {"Conversion", "TFCheckpoint", "convert", "list_variables", "load_variable"}
+    assert set(shardvar.tf.__all__) == {
+        *("Conversion", "TFCheckpoint", "convert", "list_variables", "load_variable", "short_name", "slice_spec"),
+    }
     assert all(hasattr(shardvar.tf, name) for name in shardvar.tf.__all__)
 
 
