@@ -32,7 +32,7 @@ def bench_settings(args: argparse.Namespace) -> BenchSettings:
 
 def plain_settings(args: argparse.Namespace) -> dict:
     """The flags as the JSON file records them."""
-    return {k: v for k, v in vars(args).items() if not callable(v) and k != "defaults"}
+    return {k: v for k, v in vars(args).items() if not callable(v) and k not in ("defaults", "flags")}
 
 
 # The flags each view reads; a flag of the other view given a value is refused (it would be ignored).
@@ -101,10 +101,11 @@ def check_bench(args: argparse.Namespace) -> str | None:
     if args.png and importlib.util.find_spec("matplotlib") is None:
         return "--png needs matplotlib: pip install 'shardvar[plot]'"
     unread = RATIO_FLAGS if args.view == "roofline" else ROOFLINE_FLAGS
-    given = [name for name in unread if getattr(args, name) != args.defaults[name]]
+    given = [args.flags[name] for name in unread if getattr(args, name) != args.defaults[name]]
     if given:
-        flags = ", ".join("--" + name.replace("_", "-") for name in given)
-        return f"{flags} do(es) not apply to --view {args.view}: leave it out, or choose the view that reads it"
+        verb = "does" if len(given) == 1 else "do"
+        view = f"--view {args.view}"
+        return f"{', '.join(given)} {verb} not apply to {view}: leave it out, or choose the view that reads it"
     if args.view == "roofline":
         return None
     runs_distributed = not args.only or "distributed" in args.only
@@ -145,4 +146,6 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--dir", type=existing_dir, default=tempfile.gettempdir(), help="roofline: where the disk probes write"
     )
     p.set_defaults(func=run_bench, check=check_bench)
-    p.set_defaults(defaults={a.dest: a.default for a in p._actions})
+    p.set_defaults(
+        defaults={a.dest: a.default for a in p._actions}, flags={a.dest: a.option_strings[-1] for a in p._actions}
+    )
