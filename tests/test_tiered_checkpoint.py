@@ -84,3 +84,89 @@ def test_saving_writes_back_changed_rows_and_keeps_the_cache(tmp_path):
     target = shardvar.ShardedEmbeddingBag(ROWS, DIM, mode="sum")
     shardvar.load({"model": target}, tmp_path / "ckpt")
     assert torch.equal(target.weight.to_tensor(), expected)
+
+
+def _flip(directory, where: str) -> None:
+    """Flip one byte of the data (not the header) of a checkpoint's data file: first or last tensor."""
+    path = next(directory.glob("data-*.safetensors"))
+    raw = bytearray(path.read_bytes())
+    begin = 8 + int.from_bytes(raw[:8], "little")
+    raw[begin + 5 if where == "first" else len(raw) - 3] ^= 0x40
+    path.write_bytes(raw)
+
+
+@pytest.mark.parametrize("where", ["first", "last"])
+@pytest.mark.parametrize("staging_bytes", [0, 1 << 20])  # verified in place then windows / staged whole
+def test_a_corrupted_checkpoint_leaves_the_tiered_table_as_it_was(tmp_path, where, staging_bytes):
+    from shardvar import CheckpointError
+
+    tiered = _tiered(tmp_path)
+    opt = _fused(tiered)
+    _train(tiered, steps=3)
+    shardvar.save({"model": tiered, "opt": opt}, tmp_path / "ckpt")
+    _train(tiered, steps=3, seed=7)  # the table now differs from the checkpoint; its cache is warm and dirty
+    tiered.tier.flush()  # (a load writes the changed rows back first: done here, so the stats can be compared)
+    stats, keys = tiered.cache_stats(), tiered.tier.cache.key.clone()
+    before = tiered.tier.peek(torch.arange(ROWS))
+    peeked = tiered.cache_stats()["bytes_read"] - stats["bytes_read"]  # peek reads the rows the cache does not hold
+    _flip(tmp_path / "ckpt", where)
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        shardvar.load({"model": tiered, "opt": opt}, tmp_path / "ckpt", staging_bytes=staging_bytes)
+    assert tiered.cache_stats() == {**stats, "bytes_read": stats["bytes_read"] + peeked}
+    assert torch.equal(tiered.tier.cache.key, keys)
+    after = tiered.tier.peek(torch.arange(ROWS))
+    assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
+    values, state = tiered.tier.layout.split(tiered.tier.file.read(torch.arange(ROWS)))  # the file itself
+    assert torch.equal(values, before[0]) and torch.equal(state, before[1])
+    _train(tiered, steps=2, seed=8)  # still usable, and saves
+    shardvar.save({"model": tiered, "opt": opt}, tmp_path / "ckpt2")
+
+
+@pytest.mark.parametrize("window_rows", [1, 7, 64])
+def test_a_load_into_a_tiered_table_stages_one_bounded_window_at_a_time(tmp_path, monkeypatch, window_rows):
+    from shardvar.checkpoint import _window
+
+    torch.manual_seed(0)
+    ref = shardvar.ShardedEmbeddingBag(ROWS, DIM, 2, "mod", mode="sum", sparse=True)
+    ref_opt = _fused(ref)
+    _train(ref)
+    shardvar.save({"model": ref, "opt": ref_opt}, tmp_path / "ckpt")
+    monkeypatch.setattr(_window, "WINDOW_BYTES", window_rows * DIM * 4)
+    staged: list[int] = []  # bytes of every piece a load reads before it is copied into the file
+    restore_into = _window.restore_into
+
+    def counted(files, entry, target, outs, verify):
+        staged.extend(o.nbytes for o in outs.values() if o is not None)
+        return restore_into(files, entry, target, outs, verify)
+
+    monkeypatch.setattr(_window, "restore_into", counted)
+    tiered = _tiered(tmp_path, seed=5)
+    opt = _fused(tiered)
+    shardvar.load({"model": tiered, "opt": opt}, tmp_path / "ckpt", staging_bytes=0)
+    values, state = tiered.tier.peek(torch.arange(ROWS))
+    assert torch.equal(values, ref.weight.to_tensor())
+    assert torch.equal(state[:, 0], ref_opt.sharded_variables()["weight/sum"].join())
+    assert len(staged) >= -(-ROWS // window_rows) and max(staged) <= window_rows * DIM * 4
+
+
+def test_a_load_failing_while_it_writes_leaves_the_cache_in_step_with_the_file(tmp_path, monkeypatch):
+    from shardvar.checkpoint import _load
+
+    torch.manual_seed(0)
+    ref = shardvar.ShardedEmbeddingBag(ROWS, DIM, mode="sum", sparse=True)
+    shardvar.save({"model": ref}, tmp_path / "ckpt")
+    tiered = _tiered(tmp_path, seed=5)
+    _fused(tiered)
+    _train(tiered, steps=3)  # a warm cache
+    write = _load._write_windows
+
+    def failing(t, shard, dest):
+        write(t, shard, dest)
+        raise OSError("disk gone")  # after the rows went into the file
+
+    monkeypatch.setattr(_load, "_write_windows", failing)
+    with pytest.raises(OSError, match="disk gone"):
+        shardvar.load({"model": tiered}, tmp_path / "ckpt", staging_bytes=0)
+    values, _ = tiered.tier.layout.split(tiered.tier.file.read(torch.arange(ROWS)))
+    assert torch.equal(tiered.tier.peek(torch.arange(ROWS))[0], values)  # no stale row in the cache
+    assert int((tiered.tier.cache.key >= 0).sum()) == 0
