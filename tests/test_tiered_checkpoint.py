@@ -7,6 +7,8 @@ cache forgotten); training then goes on exactly as in memory.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -170,3 +172,30 @@ def test_a_load_failing_while_it_writes_leaves_the_cache_in_step_with_the_file(t
     values, _ = tiered.tier.layout.split(tiered.tier.file.read(torch.arange(ROWS)))
     assert torch.equal(tiered.tier.peek(torch.arange(ROWS))[0], values)  # no stale row in the cache
     assert int((tiered.tier.cache.key >= 0).sum()) == 0
+
+
+@pytest.mark.parametrize("chunk_rows", [7, 50, 64])
+def test_progress_reaches_the_tiered_initialisation_widening_and_streamed_save(tmp_path, monkeypatch, chunk_rows):
+    from shardvar.tiered import _storage
+
+    monkeypatch.setattr(_storage, "CHUNK_ROWS", chunk_rows)
+    monkeypatch.setattr(_views, "STREAM_ROWS", chunk_rows)
+    calls: list[tuple[int, int]] = []
+    storage = shardvar.Tiered(tmp_path / "t.rows", cache_bytes=10 * (DIM * 4 + 4), progress=lambda *a: calls.append(a))
+    tiered = shardvar.ShardedEmbeddingBag(ROWS, DIM, mode="sum", sparse=True, storage=storage)
+    chunks = -(-ROWS // chunk_rows)
+    expected = [(min(ROWS, (k + 1) * chunk_rows), ROWS) for k in range(chunks)]
+    assert calls == expected  # the file filled chunk by chunk
+    opt = _fused(tiered)
+    assert calls == expected * 2  # and rewritten once, wider, for the optimizer's state
+    saved: list[tuple[int, int]] = []
+    shardvar.save({"model": tiered, "opt": opt}, tmp_path / "ckpt", progress=lambda d, t: saved.append((d, t)))
+    assert len(saved) >= 2 * chunks and saved[-1][0] == saved[-1][1]  # rows and state, piece by piece
+    assert all(a[0] <= b[0] for a, b in itertools.pairwise(saved))
+
+
+def test_a_progress_that_is_not_callable_is_refused(tmp_path):
+    from shardvar import ShardvarTypeError
+
+    with pytest.raises(ShardvarTypeError, match="progress must be a callable"):
+        shardvar.Tiered(tmp_path / "t.rows", cache_bytes=100, progress=3)

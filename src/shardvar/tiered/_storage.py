@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,8 @@ class Tiered:
     (least often). ``queue_depth``: reads and writes in flight at once (a disk serves many in parallel).
     ``read_ahead``: the fraction of ``cache_bytes`` reserved for rows the ``Prefetcher`` reads ahead
     (0 reads none ahead); the cache's slots get the rest, so slots and read-ahead rows together stay
-    within ``cache_bytes``.
+    within ``cache_bytes``. ``progress``: called ``progress(rows_done, rows)`` as the file is filled
+    (when the table is made) and rewritten (when an optimizer adds its state), chunk by chunk.
     """
 
     path: str | os.PathLike
@@ -49,6 +50,7 @@ class Tiered:
     policy: str = "lru"
     queue_depth: int = 32
     read_ahead: float = 0.125
+    progress: Callable[[int, int], None] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str | os.PathLike):
@@ -62,6 +64,8 @@ class Tiered:
         check_int(self.cache_bytes, "cache_bytes", minimum=1)
         check_choice(self.policy, "policy", POLICIES)
         check_int(self.queue_depth, "queue_depth", minimum=1)
+        if self.progress is not None and not callable(self.progress):
+            raise ShardvarTypeError(f"progress must be a callable (rows_done, rows) or None; got {self.progress!r:.80}")
         if check_number(self.read_ahead, "read_ahead", minimum=0.0) >= 1:
             raise ShardvarValueError(f"read_ahead must be a fraction of cache_bytes in [0, 1); got {self.read_ahead!r}")
 
@@ -73,7 +77,12 @@ class Tiered:
         if path.exists():
             _refuse_existing(path)
         file = RowFile.create(
-            path, layout, _streamed(blocks, dim, dtype), chunk_rows=CHUNK_ROWS, queue_depth=self.queue_depth
+            path,
+            layout,
+            _streamed(blocks, dim, dtype),
+            chunk_rows=CHUNK_ROWS,
+            queue_depth=self.queue_depth,
+            progress=_counter(self.progress, rows),
         )
         return TieredRows(self, file, RowCache(file, capacity, self.policy, reserve))
 
@@ -89,6 +98,19 @@ def _capacity(cache_bytes: int, read_ahead: float, layout: RecordLayout) -> tupl
             + (f" besides the read-ahead reserve ({read_ahead} of it)" if reserve else "")
         )
     return min(slots // per_row, max(layout.rows, 1)), reserve
+
+
+def _counter(progress: Callable[[int, int], None] | None, rows: int) -> Callable[[int], None] | None:
+    """``RowFile.create``'s per-chunk ``progress(rows)`` as the user's ``progress(rows_done, rows)``."""
+    if progress is None:
+        return None
+    done = [0]
+
+    def report(n: int) -> None:
+        done[0] += n
+        progress(done[0], rows)
+
+    return report
 
 
 def _refuse_existing(path: Path) -> None:
@@ -186,7 +208,14 @@ class TieredRows:
             values, state = old.split(self.file.read(ids))
             return values, torch.cat([state, torch.full((ids.numel(), width), float(fill))], 1)
 
-        new = RowFile.create(wider, layout, init, chunk_rows=CHUNK_ROWS, queue_depth=self.spec.queue_depth)
+        new = RowFile.create(
+            wider,
+            layout,
+            init,
+            chunk_rows=CHUNK_ROWS,
+            queue_depth=self.spec.queue_depth,
+            progress=_counter(self.spec.progress, old.rows),
+        )
         self._closer.detach()
         self.file.close()
         os.replace(wider, path)
