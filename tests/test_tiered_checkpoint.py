@@ -144,10 +144,15 @@ def test_a_load_into_a_tiered_table_stages_one_bounded_window_at_a_time(tmp_path
     monkeypatch.setattr(_window, "restore_into", counted)
     tiered = _tiered(tmp_path, seed=5)
     opt = _fused(tiered)
-    shardvar.load({"model": tiered, "opt": opt}, tmp_path / "ckpt", staging_bytes=0)
+    reported: list[tuple[int, int]] = []
+    shardvar.load(
+        {"model": tiered, "opt": opt}, tmp_path / "ckpt", staging_bytes=0, progress=lambda *a: reported.append(a)
+    )
     values, state = tiered.tier.peek(torch.arange(ROWS))
     assert torch.equal(values, ref.weight.to_tensor())
     assert torch.equal(state[:, 0], ref_opt.sharded_variables()["weight/sum"].join())
+    assert len(reported) >= len(staged) and reported[-1][0] == reported[-1][1]  # window by window
+    assert all(a[0] <= b[0] for a, b in itertools.pairwise(reported))
     assert len(staged) >= -(-ROWS // window_rows) and max(staged) <= window_rows * DIM * 4
 
 
@@ -162,8 +167,8 @@ def test_a_load_failing_while_it_writes_leaves_the_cache_in_step_with_the_file(t
     _train(tiered, steps=3)  # a warm cache
     write = _load._write_windows
 
-    def failing(t, shard, dest):
-        write(t, shard, dest)
+    def failing(t, shard, dest, *more):
+        write(t, shard, dest, *more)
         raise OSError("disk gone")  # after the rows went into the file
 
     monkeypatch.setattr(_load, "_write_windows", failing)

@@ -155,24 +155,40 @@ def _write_targets(targets: list[_Target], staged: dict, progress: Progress | No
                 if direct:  # straight from the files into the target's memory (verified, and locked)
                     restore_into(t.files, t.entry, t.layout, direct, verify=False)
                     t.patch(direct)
+            report = _within(done, t.entry.nbytes, total, progress) if i not in staged else None
             for k, (s, dest) in enumerate(t.dests):
                 if dest is None or (i not in staged and _fillable(dest, t.entry.dtype)):
                     continue
                 if i in staged:
                     dest.copy_(staged[i][k].reshape(dest.shape))
                 else:
-                    _write_windows(t, s, dest)
+                    _write_windows(t, s, dest, report)
             if i not in staged and progress:
                 done += t.entry.nbytes
                 progress(done, total)
 
 
-def _write_windows(t: _Target, shard: int, dest: torch.Tensor) -> None:
+def _within(done: int, nbytes: int, total: int, progress: Progress | None) -> Any:
+    """``report(bytes)`` for the windows of one target: progress within its ``nbytes``."""
+    if progress is None:
+        return None
+    written = [0]
+
+    def report(n: int) -> None:
+        written[0] += n
+        progress(done + min(written[0], nbytes), total)
+
+    return report
+
+
+def _write_windows(t: _Target, shard: int, dest: torch.Tensor, report: Any = None) -> None:
     """Fill ``dest`` (one it cannot be read into directly) a bounded window of rows at a time."""
     axis = t.layout.axis if t.layout is not None else 0
     for first, rows in restore_windows(t.files, t.entry, t.layout, shard, dest):
         part = dest if dest.dim() == 0 else dest.narrow(axis, first, rows.shape[axis] if rows.dim() else 1)
         part.copy_(rows.reshape(part.shape))
+        if report is not None:
+            report(rows.nbytes)
     if t.changes:  # later deltas' rows, written over the windows
         t.patch({shard: dest})
 
