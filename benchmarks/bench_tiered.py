@@ -66,7 +66,10 @@ def _tables(args: argparse.Namespace, folder: Path) -> dict[str, torch.nn.Module
     torch.manual_seed(0)
     memory = shardvar.ShardedEmbeddingBag(args.rows, args.dim, mode="sum", sparse=True)
     row = args.dim * 4 + 4  # a row and its row-wise Adagrad state
-    storage = shardvar.Tiered(folder / "table.rows", cache_bytes=int(args.rows * args.cache) * row)
+    # --cache of the rows in slots, as before the read-ahead reserve came out of cache_bytes
+    ahead = shardvar.Tiered.read_ahead
+    cache_bytes = -(-int(args.rows * args.cache) * row // (1 - ahead)) + 8 * (args.dim + 2)
+    storage = shardvar.Tiered(folder / "table.rows", cache_bytes=int(cache_bytes))
     torch.manual_seed(0)
     tiered = shardvar.ShardedEmbeddingBag(args.rows, args.dim, mode="sum", sparse=True, storage=storage)
     for m in (memory, tiered):
