@@ -19,10 +19,10 @@ from shardvar.tiered import _views
 ROWS, DIM = 50, 4
 
 
-def _tiered(tmp_path, name="t.rows", seed=0, cache_rows=10):
+def _tiered(tmp_path, name="t.rows", seed=0, cache_rows=10, partitions=()):
     torch.manual_seed(seed)
     storage = shardvar.Tiered(tmp_path / name, cache_bytes=cache_rows * (DIM * 4 + 4))
-    return shardvar.ShardedEmbeddingBag(ROWS, DIM, mode="sum", sparse=True, storage=storage)
+    return shardvar.ShardedEmbeddingBag(ROWS, DIM, *partitions, mode="sum", sparse=True, storage=storage)
 
 
 def _train(module, steps=8, seed=2):
@@ -124,8 +124,9 @@ def test_a_corrupted_checkpoint_leaves_the_tiered_table_as_it_was(tmp_path, wher
     shardvar.save({"model": tiered, "opt": opt}, tmp_path / "ckpt2")
 
 
+@pytest.mark.parametrize("partitions", [(), (3, "mod"), (4, "div")])
 @pytest.mark.parametrize("window_rows", [1, 7, 64])
-def test_a_load_into_a_tiered_table_stages_one_bounded_window_at_a_time(tmp_path, monkeypatch, window_rows):
+def test_a_load_into_a_tiered_table_stages_one_bounded_window_at_a_time(tmp_path, monkeypatch, window_rows, partitions):
     from shardvar.checkpoint import _window
 
     torch.manual_seed(0)
@@ -142,7 +143,7 @@ def test_a_load_into_a_tiered_table_stages_one_bounded_window_at_a_time(tmp_path
         return restore_into(files, entry, target, outs, verify)
 
     monkeypatch.setattr(_window, "restore_into", counted)
-    tiered = _tiered(tmp_path, seed=5)
+    tiered = _tiered(tmp_path, seed=5, partitions=partitions)  # its shards: strided views of the file
     opt = _fused(tiered)
     reported: list[tuple[int, int]] = []
     shardvar.load(

@@ -183,9 +183,7 @@ def _within(done: int, nbytes: int, total: int, progress: Progress | None) -> An
 
 def _write_windows(t: _Target, shard: int, dest: torch.Tensor, report: Any = None) -> None:
     """Fill ``dest`` (one it cannot be read into directly) a bounded window of rows at a time."""
-    axis = t.layout.axis if t.layout is not None else 0
-    for first, rows in restore_windows(t.files, t.entry, t.layout, shard, dest):
-        part = dest if dest.dim() == 0 else dest.narrow(axis, first, rows.shape[axis] if rows.dim() else 1)
+    for part, rows in restore_windows(t.files, t.entry, t.layout, shard, dest):
         part.copy_(rows.reshape(part.shape))
         if report is not None:
             report(rows.nbytes)

@@ -46,7 +46,7 @@ def restore_windows(
     if entry.layout is None:  # a 0-d variable: one value
         out = torch.empty(entry.shape, dtype=entry.dtype)
         restore_into(files, entry, None, {0: out}, verify=True)
-        yield 0, out
+        yield dest, out
         return
     target = target or whole_layout(entry)
     axis = target.axis
@@ -59,4 +59,4 @@ def restore_windows(
         shape[axis] = b - a
         out = torch.empty(shape, dtype=entry.dtype)
         restore_into(files, entry, _Window(target, shard, a, b), {0: out}, verify=True)  # type: ignore[arg-type]
-        yield a, out
+        yield dest.narrow(axis, a, b - a), out
