@@ -2,6 +2,8 @@
 
     python benchmarks/bench_tiered.py [--rows 4194304] [--dim 64] [--batch 4096] [--bag 20] [--cache 0.1]
         [--steps 20] [--repeats 5] [--folder DIR] [--quick]
+    python benchmarks/bench_tiered.py --capacity [--cache-bytes 1073741824] [--cap-bytes 2147483648]
+        [--no-cgroup] [--quick]   (rows default to 2**25: see benchmarks/_capacity.py)
 
 Issue 38's speed goal, file in the page cache: a ``ShardedEmbeddingBag`` (sum) trained by fused
 ``RowWiseAdagrad`` on Zipf(1.05) ids, ``[batch, bag]`` per step, step time <= 1.5x the same table
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+import _capacity
 from _common import print_table, zipf_ids
 
 import shardvar
@@ -45,9 +48,17 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--folder", type=Path, default=None)
     p.add_argument("--quick", action="store_true", help="small sizes (a test runs this)")
+    p.add_argument("--capacity", action="store_true", help="the capped-memory run (benchmarks/_capacity.py)")
+    p.add_argument("--cache-bytes", type=int, default=1 << 30, help="--capacity: the cache")
+    p.add_argument("--cap-bytes", type=int, default=2 << 30, help="--capacity: the cgroup's memory cap")
+    p.add_argument("--no-cgroup", action="store_true", help="--capacity: run without the cap")
     args = p.parse_args(argv)
+    if args.capacity and "--rows" not in (argv if argv is not None else sys.argv):
+        args.rows = 1 << 25
     if args.quick:
         args.rows, args.batch, args.bag, args.steps, args.repeats = 1 << 14, 256, 8, 4, 2
+        if args.capacity:
+            args.cache_bytes, args.cap_bytes = 1 << 20, 1 << 30
     return args
 
 
@@ -55,7 +66,10 @@ def _tables(args: argparse.Namespace, folder: Path) -> dict[str, torch.nn.Module
     torch.manual_seed(0)
     memory = shardvar.ShardedEmbeddingBag(args.rows, args.dim, mode="sum", sparse=True)
     row = args.dim * 4 + 4  # a row and its row-wise Adagrad state
-    storage = shardvar.Tiered(folder / "table.rows", cache_bytes=int(args.rows * args.cache) * row)
+    # --cache of the rows in slots, as before the read-ahead reserve came out of cache_bytes
+    ahead = shardvar.Tiered.read_ahead
+    cache_bytes = -(-int(args.rows * args.cache) * row // (1 - ahead)) + 8 * (args.dim + 2)
+    storage = shardvar.Tiered(folder / "table.rows", cache_bytes=int(cache_bytes))
     torch.manual_seed(0)
     tiered = shardvar.ShardedEmbeddingBag(args.rows, args.dim, mode="sum", sparse=True, storage=storage)
     for m in (memory, tiered):
@@ -74,6 +88,9 @@ def _run(module: torch.nn.Module, batches: list[torch.Tensor], prefetch: bool) -
 
 def main(argv: list[str] | None = None) -> None:
     args = _args(argv)
+    if args.capacity:
+        _capacity.run(args)
+        return
     with tempfile.TemporaryDirectory(dir=args.folder) as folder:
         tables = _tables(args, Path(folder))
         memory, tiered = tables["in memory"], tables["tiered"]

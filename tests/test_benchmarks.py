@@ -48,3 +48,27 @@ def test_the_guard_has_a_committed_baseline_for_every_path() -> None:
     assert rows == list(committed["ratios"])
     assert set(guard.HUGE_PAGES) <= set(dict(guard.CASES))
     assert all(r > 0 for r in committed["ratios"].values())
+
+
+def test_the_tiered_capacity_run_reports_its_bound_and_says_when_uncapped() -> None:
+    # (--no-cgroup: a test never makes cgroups; as root with cgroup v1 the real run caps itself)
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_tiered.py"), "--capacity", "--quick", "--no-cgroup"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    for line in ["memory cap skipped", "peak RSS / (cache + 512 MiB)", "hit rate", "misses per step", "bytes read"]:
+        assert line in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize(("root", "enabled", "why"), [(False, True, "needs root"), (True, False, "--no-cgroup")])
+def test_the_capacity_run_skips_its_cap_with_a_message(monkeypatch, capsys, root, enabled, why) -> None:
+    sys.path.insert(0, str(BENCHMARKS))
+    import _capacity
+
+    monkeypatch.setattr(_capacity.os, "geteuid", lambda: 0 if root else 1000)
+    with _capacity.capped(1 << 30, enabled) as group:
+        assert group is None
+    assert why in capsys.readouterr().out

@@ -222,3 +222,16 @@ def test_prefetch_errors_reach_the_loop(tmp_path):
         with pytest.raises(ShardvarValueError, match=r"row ids must be in \[0, 40\); got 99"):
             for _ in loop:
                 pass
+
+
+@pytest.mark.parametrize("reserve", [0, 1, 4, 9])
+def test_staged_records_never_exceed_the_reserve(tmp_path, reserve):
+    with _file(tmp_path) as f:
+        cache = RowCache(f, 8, reserve=reserve)
+        assert cache.nbytes == 8 * (4 * 4 + 4) + reserve * f.layout.record_bytes
+        for start in range(0, 40, 10):
+            last = cache.stage(torch.arange(start, start + 10), limit=100)
+            assert cache.staged_rows <= reserve
+            assert sum(s.records.nbytes for s in cache._staged if s.records is not None) <= reserve * 24
+        cache.resolve(torch.arange(30, 38))  # the last set's rows: taken from it where staged
+        assert cache.stats.prefetched == last and (last > 0) == (reserve > 1)

@@ -29,16 +29,19 @@ OPTIMIZERS = {
 }
 
 
-def _tiered(tmp_path, cache_rows: int, policy: str = "lru", name: str = "t.rows", state: int = 1):
+def _tiered(tmp_path, cache_rows: int, policy: str = "lru", name: str = "t.rows", state: int = 1, read_ahead=0.0):
+    """About ``cache_rows`` slots (exactly, without read-ahead), and ``read_ahead`` of the bytes besides."""
     row = DIM * 4 + 4 * state
-    return shardvar.Tiered(tmp_path / name, cache_bytes=cache_rows * row, policy=policy)
+    cache_bytes = int(cache_rows * row / (1 - read_ahead))
+    return shardvar.Tiered(tmp_path / name, cache_bytes=cache_bytes, policy=policy, read_ahead=read_ahead)
 
 
-def _pair(cls, tmp_path, cache_rows=12, policy="lru", seed=0, **kw):
+def _pair(cls, tmp_path, cache_rows=12, policy="lru", seed=0, read_ahead=0.0, **kw):
     torch.manual_seed(seed)
     ref = cls(ROWS, DIM, sparse=True, **kw)
     torch.manual_seed(seed)
-    tiered = cls(ROWS, DIM, sparse=True, storage=_tiered(tmp_path, cache_rows, policy), **kw)
+    storage = _tiered(tmp_path, cache_rows, policy, read_ahead=read_ahead)
+    tiered = cls(ROWS, DIM, sparse=True, storage=storage, **kw)
     return ref, tiered
 
 
@@ -74,7 +77,8 @@ def _state_of(opt, slot):
 def test_training_equals_the_table_in_memory_bitwise(tmp_path, cls, policy, prefetch, opt_name):
     bags = cls is shardvar.ShardedEmbeddingBag
     kw = {"mode": "sum"} if bags else {}
-    ref, tiered = _pair(cls, tmp_path, cache_rows=14 if opt_name == "rowwise_adagrad" else 24, policy=policy, **kw)
+    rows = 14 if opt_name == "rowwise_adagrad" else 24
+    ref, tiered = _pair(cls, tmp_path, cache_rows=rows, policy=policy, read_ahead=0.25 if prefetch else 0.0, **kw)
     assert torch.equal(tiered.tier.peek(torch.arange(ROWS))[0], ref.weight.to_tensor())
     opts = [OPTIMIZERS[opt_name](m) for m in (ref, tiered)]
     for o in opts:
@@ -327,3 +331,39 @@ def test_other_lookup_options_equal_the_table_in_memory(tmp_path, cls, options):
     _run(tiered, _batches(10, bags, seed=7), prefetch=False)
     values, state = tiered.tier.peek(torch.arange(ROWS))
     assert torch.equal(values, ref.weight.to_tensor()) and torch.equal(state[:, 0], _state_of(opts[0], "sum"))
+
+
+@pytest.mark.parametrize("read_ahead", [0.1, 0.25, 0.5])
+@pytest.mark.parametrize("limit", [3, 1 << 16])
+def test_slots_and_rows_read_ahead_stay_within_cache_bytes(tmp_path, monkeypatch, read_ahead, limit):
+    from shardvar.tiered import RowCache
+
+    held: list[tuple[int, int]] = []  # (bytes of slots + staged records, staged rows) after each read ahead
+    stage = RowCache.stage
+
+    def counted(cache, ids, limit):
+        n = stage(cache, ids, limit)
+        staged = sum(s.records.nbytes for s in cache._staged if s.records is not None)
+        held.append((cache.values.nbytes + cache.state.nbytes + staged, cache.staged_rows))
+        return n
+
+    monkeypatch.setattr(RowCache, "stage", counted)
+    storage = _tiered(tmp_path, 30, read_ahead=read_ahead)
+    tiered = shardvar.ShardedEmbeddingBag(ROWS, DIM, mode="sum", sparse=True, storage=storage)
+    optim.fuse(optim.RowWiseAdam(tiered, lr=0.05))  # wider records: the reserve is re-sized with them
+    batches = _batches(20, bags=True, seed=4)
+    for ids, offsets in Prefetcher(batches, lambda b: [(tiered.cache, b[0])], limit=limit):
+        tiered(ids, offsets).sum().backward()
+    stats = tiered.cache_stats()
+    assert held and stats["read_ahead_rows"] >= 1 and stats["prefetched"] > 0
+    assert stats["cache_bytes"] <= storage.cache_bytes
+    assert max(total for total, _ in held) <= storage.cache_bytes
+    assert max(rows for _, rows in held) <= stats["read_ahead_rows"]
+
+
+def test_without_read_ahead_nothing_is_staged(tmp_path):
+    tiered = shardvar.ShardedEmbedding(ROWS, DIM, sparse=True, storage=_tiered(tmp_path, 12))
+    optim.fuse(optim.RowWiseAdagrad(tiered, lr=0.1))
+    for ids, _ in Prefetcher(_batches(5, bags=False), lambda b: [(tiered.cache, b[0])]):
+        tiered(ids).sum().backward()
+    assert tiered.cache_stats()["read_ahead_rows"] == 0 and tiered.cache_stats()["prefetched"] == 0

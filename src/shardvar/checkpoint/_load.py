@@ -22,8 +22,9 @@ from ._chain import Chain, RowChanges, apply_rows
 from ._manifest import Manifest, VariableEntry
 from ._optim import OptimizerRecord, check_group_count, check_optimizer, restored_groups, slot_name
 from ._quantize import check_packed
-from ._restore import Files, _check_file, restore_into, restore_shard, restore_shards, verify_shards
+from ._restore import Files, _check_file, restore_into, restore_shards, verify_shards
 from ._state import State, notify, param_names, resolve
+from ._window import restore_windows
 from ._write import Coordinator, Progress, agree
 
 __all__ = ["load", "STAGING_BYTES", "lookup"]
@@ -154,18 +155,40 @@ def _write_targets(targets: list[_Target], staged: dict, progress: Progress | No
                 if direct:  # straight from the files into the target's memory (verified, and locked)
                     restore_into(t.files, t.entry, t.layout, direct, verify=False)
                     t.patch(direct)
+            report = _within(done, t.entry.nbytes, total, progress) if i not in staged else None
             for k, (s, dest) in enumerate(t.dests):
                 if dest is None or (i not in staged and _fillable(dest, t.entry.dtype)):
                     continue
                 if i in staged:
-                    value = staged[i][k]
+                    dest.copy_(staged[i][k].reshape(dest.shape))
                 else:
-                    value = restore_shard(t.files, t.entry, t.layout, s)
-                    t.patch({s: value})
-                dest.copy_(value.reshape(dest.shape))
+                    _write_windows(t, s, dest, report)
             if i not in staged and progress:
                 done += t.entry.nbytes
                 progress(done, total)
+
+
+def _within(done: int, nbytes: int, total: int, progress: Progress | None) -> Any:
+    """``report(bytes)`` for the windows of one target: progress within its ``nbytes``."""
+    if progress is None:
+        return None
+    written = [0]
+
+    def report(n: int) -> None:
+        written[0] += n
+        progress(done + min(written[0], nbytes), total)
+
+    return report
+
+
+def _write_windows(t: _Target, shard: int, dest: torch.Tensor, report: Any = None) -> None:
+    """Fill ``dest`` (one it cannot be read into directly) a bounded window of rows at a time."""
+    for part, rows in restore_windows(t.files, t.entry, t.layout, shard, dest):
+        part.copy_(rows.reshape(part.shape))
+        if report is not None:
+            report(rows.nbytes)
+    if t.changes:  # later deltas' rows, written over the windows
+        t.patch({shard: dest})
 
 
 def _apply_optimizers(state: State, plans: dict, targets: list[_Target], staged: dict) -> None:
@@ -206,9 +229,10 @@ def load(
     Everything is checked (names, shapes, dtypes, files, the optimizer's class and parameters,
     and the checksum of every byte needed) before any target is written, so a failing load
     leaves every object as it was. Targets up to ``staging_bytes`` in total are read once into
-    staging tensors; larger ones are verified in a first pass and then restored shard by shard,
-    so memory stays bounded by the largest shard. A save to the same directory waits until the
-    load is done.
+    staging tensors; larger ones are verified in a first pass and then restored shard by shard
+    (a shard that cannot be read into directly, such as a tiered table's file, a bounded window
+    of rows at a time), so memory stays bounded by the largest shard. A save to the same
+    directory waits until the load is done.
     """
     directory = Path(path)
     coordinator = coordinator or Coordinator()
@@ -223,7 +247,13 @@ def load(
         except Exception as e:
             error = _as_checkpoint_error(e, directory)
         agree(coordinator, error)  # every process checked its part: write only if all can
-        _write_targets(targets, staged, progress)
+        try:
+            _write_targets(targets, staged, progress)
+        except BaseException:
+            # written in part (an I/O error after every check passed): what holds copies of the
+            # targets (a tiered table's cache, a dynamic table's index) must follow what was written
+            notify(state_dict, "after_load")
+            raise
     finally:
         chain.close()
     _apply_optimizers(state, plans, targets, staged)

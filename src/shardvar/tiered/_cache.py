@@ -69,9 +69,12 @@ class _Staged:
 class RowCache:
     """``capacity`` rows of ``file`` in RAM (see the module docstring)."""
 
-    def __init__(self, file: RowFile, capacity: int, policy: str = "lru") -> None:
+    def __init__(self, file: RowFile, capacity: int, policy: str = "lru", reserve: int | None = None) -> None:
         layout = file.layout
         self.capacity = check_int(capacity, "cache capacity (rows)", minimum=1)
+        # Records read ahead (``stage``) held at once, all staged sets together: the table's budget
+        # counts them (``nbytes``). None: no bound (a cache used on its own, outside a table).
+        self.reserve = None if reserve is None else check_int(reserve, "read-ahead reserve (rows)", minimum=0)
         self.policy = check_choice(policy, "policy", POLICIES)
         self.file, self.layout = file, layout
         self.values = torch.zeros((capacity, layout.dim), dtype=layout.torch_dtype)
@@ -86,13 +89,20 @@ class RowCache:
         self.lock = threading.Lock()  # guards the slots and the index (a prefetch thread reads them)
         # Rows read ahead for a coming batch (``stage``), and the ids written back since: a staged
         # record of one of those is stale. Staged rows sit outside the slots, so nothing evicts them.
-        # Two at most: the batch about to run and the one after it (read while the first computes).
+        # Two at most: the batch about to run and the one after it (read while the first computes),
+        # together at most ``reserve`` records.
         self._staged: list[_Staged] = []
 
     @property
     def nbytes(self) -> int:
-        """RAM held for rows and state (the figure ``cache_bytes`` bounds)."""
-        return self.capacity * (self.values[:1].nbytes + self.state[:1].nbytes)
+        """RAM held for rows and state, slots and read-ahead reserve (the figure ``cache_bytes`` bounds)."""
+        slots = self.capacity * (self.values[:1].nbytes + self.state[:1].nbytes)
+        return slots + (self.reserve or 0) * self.layout.record_bytes
+
+    @property
+    def staged_rows(self) -> int:
+        """Records read ahead and held now (at most ``reserve``)."""
+        return sum(s.ids.numel() for s in self._staged)
 
     def _home(self, ids: torch.Tensor) -> torch.Tensor:
         return self.index.start(mix64(ids), torch.zeros_like(ids))
@@ -189,13 +199,21 @@ class RowCache:
     def stage(self, ids: torch.Tensor, limit: int) -> int:
         """Read ahead the records of up to ``limit`` of ``ids`` not in the cache now; returns how many.
 
+        With a ``reserve``, one read ahead takes at most half of it (two batches may be in flight:
+        the one about to run and the next) and all staged records together never more than it.
+
         Safe beside the trainer's own ``resolve`` (only the index look-up holds the lock): the
         file is read while it computes, and ``resolve`` takes the staged records instead of reading.
         """
         with self.lock:
             distinct = torch.unique(ids.reshape(-1))
-            staged = _Staged(distinct[self.lookup(distinct) < 0][:limit])
-            self._staged = [*self._staged[-1:], staged]
+            # the last set is kept while its batch may still want it; one whose rows are all in the slots is spent
+            kept = [s for s in self._staged[-1:] if bool((self.lookup(s.ids) < 0).any())]
+            if self.reserve is not None:  # every staged record together stays within the reserve
+                held = sum(s.ids.numel() for s in kept)
+                limit = min(limit, (self.reserve + 1) // 2, self.reserve - held)
+            staged = _Staged(distinct[self.lookup(distinct) < 0][: max(limit, 0)])
+            self._staged = [*kept, staged]
         if staged.ids.numel():
             staged.records = self.file.read(staged.ids)
         return staged.ids.numel()

@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +39,18 @@ class Tiered:
 
     ``policy``: which rows leave the cache first, ``"lru"`` (least recently used) or ``"lfu"``
     (least often). ``queue_depth``: reads and writes in flight at once (a disk serves many in parallel).
+    ``read_ahead``: the fraction of ``cache_bytes`` reserved for rows the ``Prefetcher`` reads ahead
+    (0 reads none ahead); the cache's slots get the rest, so slots and read-ahead rows together stay
+    within ``cache_bytes``. ``progress``: called ``progress(rows_done, rows)`` as the file is filled
+    (when the table is made) and rewritten (when an optimizer adds its state), chunk by chunk.
     """
 
     path: str | os.PathLike
     cache_bytes: int
     policy: str = "lru"
     queue_depth: int = 32
+    read_ahead: float = 0.125
+    progress: Callable[[int, int], None] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str | os.PathLike):
@@ -58,25 +64,53 @@ class Tiered:
         check_int(self.cache_bytes, "cache_bytes", minimum=1)
         check_choice(self.policy, "policy", POLICIES)
         check_int(self.queue_depth, "queue_depth", minimum=1)
+        if self.progress is not None and not callable(self.progress):
+            raise ShardvarTypeError(f"progress must be a callable (rows_done, rows) or None; got {self.progress!r:.80}")
+        if check_number(self.read_ahead, "read_ahead", minimum=0.0) >= 1:
+            raise ShardvarValueError(f"read_ahead must be a fraction of cache_bytes in [0, 1); got {self.read_ahead!r}")
 
     def open(self, rows: int, dim: int, dtype: torch.dtype, blocks: Iterator[torch.Tensor]) -> TieredRows:
         """A new backing file of ``rows`` x ``dim`` filled from ``blocks``, and its cache."""
         layout = RecordLayout(rows, dim, str(dtype).removeprefix("torch."), 0)
-        capacity = _capacity(self.cache_bytes, layout)
+        capacity, reserve = _capacity(self.cache_bytes, self.read_ahead, layout)
         path = Path(self.path)
         if path.exists():
             _refuse_existing(path)
         file = RowFile.create(
-            path, layout, _streamed(blocks, dim, dtype), chunk_rows=CHUNK_ROWS, queue_depth=self.queue_depth
+            path,
+            layout,
+            _streamed(blocks, dim, dtype),
+            chunk_rows=CHUNK_ROWS,
+            queue_depth=self.queue_depth,
+            progress=_counter(self.progress, rows),
         )
-        return TieredRows(self, file, RowCache(file, capacity, self.policy))
+        return TieredRows(self, file, RowCache(file, capacity, self.policy, reserve))
 
 
-def _capacity(cache_bytes: int, layout: RecordLayout) -> int:
+def _capacity(cache_bytes: int, read_ahead: float, layout: RecordLayout) -> tuple[int, int]:
+    """(slots, read-ahead records) within ``cache_bytes``: ``read_ahead`` of it for records read ahead."""
     per_row = layout.row_bytes + 4 * layout.state_width
-    if cache_bytes < per_row:
-        raise ShardvarValueError(f"cache_bytes={cache_bytes} holds no row: one row and its state take {per_row} bytes")
-    return min(cache_bytes // per_row, max(layout.rows, 1))
+    reserve = min(int(cache_bytes * read_ahead) // layout.record_bytes, max(layout.rows, 1))
+    slots = cache_bytes - reserve * layout.record_bytes
+    if slots < per_row:
+        raise ShardvarValueError(
+            f"cache_bytes={cache_bytes} holds no row: one row and its state take {per_row} bytes"
+            + (f" besides the read-ahead reserve ({read_ahead} of it)" if reserve else "")
+        )
+    return min(slots // per_row, max(layout.rows, 1)), reserve
+
+
+def _counter(progress: Callable[[int, int], None] | None, rows: int) -> Callable[[int], None] | None:
+    """``RowFile.create``'s per-chunk ``progress(rows)`` as the user's ``progress(rows_done, rows)``."""
+    if progress is None:
+        return None
+    done = [0]
+
+    def report(n: int) -> None:
+        done[0] += n
+        progress(done[0], rows)
+
+    return report
 
 
 def _refuse_existing(path: Path) -> None:
@@ -164,7 +198,7 @@ class TieredRows:
             raise ShardvarValueError("cannot add optimizer state to a tiered table while a backward is pending")
         old = self.file.layout
         layout = RecordLayout(old.rows, old.dim, old.dtype, old.state_width + width)
-        capacity = _capacity(self.spec.cache_bytes, layout)  # checked before anything changes
+        capacity, reserve = _capacity(self.spec.cache_bytes, self.spec.read_ahead, layout)  # checked first
         self.cache.flush()
         path = self.file.path
         wider = path.with_name(path.name + ".widening")
@@ -174,13 +208,20 @@ class TieredRows:
             values, state = old.split(self.file.read(ids))
             return values, torch.cat([state, torch.full((ids.numel(), width), float(fill))], 1)
 
-        new = RowFile.create(wider, layout, init, chunk_rows=CHUNK_ROWS, queue_depth=self.spec.queue_depth)
+        new = RowFile.create(
+            wider,
+            layout,
+            init,
+            chunk_rows=CHUNK_ROWS,
+            queue_depth=self.spec.queue_depth,
+            progress=_counter(self.spec.progress, old.rows),
+        )
         self._closer.detach()
         self.file.close()
         os.replace(wider, path)
         new.path = path
         stats = self.cache.stats
-        self.file, self.cache = new, RowCache(new, capacity, self.spec.policy)
+        self.file, self.cache = new, RowCache(new, capacity, self.spec.policy, reserve)
         self.cache.stats = stats
         self._closer = weakref.finalize(self, _close, self.cache, new)
         self._columns[name] = (old.state_width, width)
@@ -204,7 +245,7 @@ class TieredRows:
         if self._in_flight:
             raise ShardvarValueError("cannot load a tiered table while a backward of its lookups is pending")
         stats = self.cache.stats
-        self.cache = RowCache(self.file, self.cache.capacity, self.spec.policy)
+        self.cache = RowCache(self.file, self.cache.capacity, self.spec.policy, self.cache.reserve)
         self.cache.stats = stats
         self._closer.detach()
         self._closer = weakref.finalize(self, _close, self.cache, self.file)
@@ -222,6 +263,7 @@ class TieredRows:
             "bytes_read": self.file.bytes_read,
             "bytes_written": self.file.bytes_written,
             "capacity_rows": self.cache.capacity,
+            "read_ahead_rows": self.cache.reserve or 0,
             "cache_bytes": self.cache.nbytes,
         }
 
