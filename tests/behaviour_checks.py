@@ -106,11 +106,13 @@ def _bad_input(family: Family, what: str) -> Spoil:
 
     def spoil(batch: Batch, here: bool) -> tuple[Batch, dict | None]:
         ids, offsets = batch[feature]
-        weights = sample_weights(batch) if what == "per_sample_weights" else None
+        weights = sample_weights(batch) if what in ("per_sample_weights", "non-finite weights") else None
         if here and what == "float ids":
             batch[feature] = ids.float(), offsets
         elif here and what == "offsets":  # past the end of the ids
             batch[feature] = ids, torch.tensor([0, len(ids) + 4, len(ids) + 4])
+        elif here and what == "non-finite weights":
+            weights[feature] = weights[feature].clone().index_fill_(0, torch.tensor([0]), float("nan"))
         elif here:
             weights[feature] = weights[feature][:-1]
         return batch, weights
@@ -121,7 +123,7 @@ def _bad_input(family: Family, what: str) -> Spoil:
 def bad_inputs(family: Family) -> list[str]:
     """The inputs a family checks besides its ids' range (offsets and weights where its call takes them)."""
     return ["float ids", *(["offsets"] if family.kind != "embedding" else []),
-            *(["per_sample_weights"] if family.kind in ("bag", "pooled") else [])]  # fmt: skip
+            *(["per_sample_weights", "non-finite weights"] if family.kind in ("bag", "pooled") else [])]  # fmt: skip
 
 
 def _spoiled(family: Family, rank: int, bad_ranks: tuple[int, ...], spoils: list[Spoil]) -> dict:
@@ -282,6 +284,7 @@ BAD_INPUT_ERRORS = {
     "float ids": ("ShardvarTypeError", r"integer"),
     "offsets": ("ShardvarValueError", r"offsets"),
     "per_sample_weights": ("ShardvarValueError", r"per_sample_weights"),
+    "non-finite weights": ("ShardvarValueError", r"per_sample_weights must be finite; got nan at position 0"),
 }
 
 

@@ -279,3 +279,22 @@ def test_a_table_named_as_a_moduledict_attribute_is_refused_by_name(collection, 
 def test_a_feature_may_keep_a_name_its_table_cannot() -> None:
     ebc = EmbeddingBagCollection({"item_table": TableConfig(10, 4, feature_names=["items"])})
     assert ebc({"items": torch.tensor([[1, 2]])})["items"].shape == (1, 4)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("sparse", [True, False])
+def test_non_finite_weights_are_refused_before_a_fused_step_changes_anything(bad, sparse) -> None:
+    # A NaN weight would reach the fused update in backward and poison rows and state for good.
+    ebc = EmbeddingBagCollection({"t": TableConfig(20, 4, 2, "mod")}, sparse=sparse)
+    opt = shardvar.optim.RowWiseAdagrad(ebc, lr=0.1)
+    shardvar.optim.fuse(opt)
+    ids, weights = torch.tensor([[1, 2, 3]]), torch.tensor([[1.0, bad, 1.0]])
+    ebc({"t": ids}, per_sample_weights={"t": torch.ones(1, 3)})["t"].sum().backward()  # state exists
+    before = {k: v.clone() for k, v in ebc.state_dict().items()}
+    state = [t.clone() for t in opt.state_dict()["state"].values() if isinstance(t, torch.Tensor)]
+    assert state
+    with pytest.raises(shardvar.ShardvarValueError, match=rf"per_sample_weights must be finite; got {bad} at position 1"):
+        ebc({"t": ids}, per_sample_weights={"t": weights})
+    assert all(torch.equal(v, before[k]) for k, v in ebc.state_dict().items())
+    after = [t for t in opt.state_dict()["state"].values() if isinstance(t, torch.Tensor)]
+    assert all(torch.equal(a, b) for a, b in zip(after, state, strict=True))

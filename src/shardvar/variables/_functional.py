@@ -337,6 +337,10 @@ def check_weights(per_sample_weights: Any, ids: torch.Tensor, mode: str, dtype: 
         )
     if w.dtype != dtype:
         raise ShardvarDTypeError(f"per_sample_weights must have the table's dtype {dtype}; got {w.dtype}")
+    bad = ~torch.isfinite(w)  # a NaN weight would poison a fused optimizer's rows and state in backward
+    if bool(bad.any()):
+        at = int(bad.reshape(-1).nonzero()[0])
+        raise ShardvarValueError(f"per_sample_weights must be finite; got {w.reshape(-1)[at].item()} at position {at}")
     return w.to(ids.device)
 
 
