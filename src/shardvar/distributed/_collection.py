@@ -22,7 +22,9 @@ from torch import nn
 from .._errors import ShardvarDistributedError, ShardvarError, ShardvarTypeError, ShardvarValueError
 from ..layout import Layout
 from ..nn import (
-    KeyedJagged,
+    Features,
+    PerFeature,
+    Pooled,
     ShardedEmbedding,
     ShardedEmbeddingBag,
     TableConfig,
@@ -220,12 +222,7 @@ class DistributedEmbeddingBagCollection(nn.Module):
 
     # EmbeddingBagCollection.forward's signature, so `duplicates` pairs the two: a collection and
     # its distributed twin take the same inputs. No rule is repeated past the signature.
-    def forward(
-        self,
-        features: dict[str, Any] | KeyedJagged,
-        offsets: dict[str, Any] | None = None,
-        per_sample_weights: dict[str, Any] | None = None,
-    ) -> dict[str, torch.Tensor]:
+    def forward(self, features: Features, offsets: PerFeature = None, per_sample_weights: PerFeature = None) -> Pooled:
         """Bags per feature. Collective: every rank calls it, with every feature of every table.
 
         A table's features go in one request, so an id two of them hold is sent and fetched once;

@@ -14,12 +14,15 @@ from ._collection import (
 from ._collection_build import FeatureMap
 from ._collection_modules import EmbeddingBagDict, EmbeddingBagList
 from ._embedding import ShardedEmbedding, ShardedEmbeddingBag
-from ._jagged import JaggedRows, jagged_split
+from ._jagged import Features, JaggedRows, PerFeature, Pooled, jagged_split
 from ._linear import ShardedLinear
 from ._parameter import ShardsParametrization, set_state_dict_form, shard_parameter, sharded_parameters
 from ._sequence import EmbeddingCollection
 
 __all__ = [
+    "Features",
+    "PerFeature",
+    "Pooled",
     "FeatureMap",
     "check_tables",
     "feature_map",

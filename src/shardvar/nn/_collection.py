@@ -25,7 +25,7 @@ from ..layout import Layout, as_ids
 from ..variables import ShardedVariable, as_slab, embedding_bag_rows, embedding_rows, lay_out, slab_weight
 from ._collection_build import FeatureMap, TableConfig, build_tables, check_tables, feature_map
 from ._embedding import ShardedEmbedding, ShardedEmbeddingBag
-from ._jagged import KeyedJagged, jagged_split
+from ._jagged import Features, KeyedJagged, PerFeature, Pooled, jagged_split
 from ._pack import feature_bags, pack
 from ._pooled import sparse_pooled
 from ._tiered import TieredTable
@@ -61,12 +61,7 @@ class EmbeddingBagCollection(nn.Module):
         self.embedding_bags = nn.ModuleDict(build_tables(tables, make, dtype))
         self._groups = batch_tables(self.embedding_bags)
 
-    def forward(
-        self,
-        features: dict[str, Any] | KeyedJagged,
-        offsets: dict[str, Any] | None = None,
-        per_sample_weights: dict[str, Any] | None = None,
-    ) -> dict[str, torch.Tensor]:
+    def forward(self, features: Features, offsets: PerFeature = None, per_sample_weights: PerFeature = None) -> Pooled:
         """Bags per feature: ``{feature: [bags, dim]}`` (``concat`` joins them for the dense layers); a feature
         several tables serve gives bags per table, ``{feature@table: ...}`` (:func:`feature_map`).
 

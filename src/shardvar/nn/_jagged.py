@@ -19,7 +19,9 @@ import torch
 from .._errors import ShardvarTypeError, ShardvarValueError
 from .._validate import check_has_values
 
-__all__ = ["JaggedRows", "KeyedJagged", "check_jagged", "check_names", "jagged_split"]
+__all__ = [
+    "Features", "JaggedRows", "KeyedJagged", "PerFeature", "Pooled", "check_jagged", "check_names", "jagged_split",
+]  # fmt: skip
 
 
 def _integer(t: torch.Tensor) -> bool:
@@ -156,3 +158,10 @@ def jagged_split(values: torch.Tensor, offsets: torch.Tensor, counts: list[int],
     per_feature = lengths.split(counts)
     sizes = [int(x.sum()) for x in per_feature]
     return {f: JaggedRows(v, x) for f, v, x in zip(features, values.split(sizes), per_feature, strict=True)}
+
+
+# What every collection's forward takes (one spelling for the local, distributed and quantized twins):
+# the ids by feature (or one KeyedJagged), and optional offsets / per-sample weights by feature.
+Features = dict[str, Any] | KeyedJagged
+PerFeature = dict[str, Any] | None
+Pooled = dict[str, torch.Tensor]  # bags by output key

@@ -11,10 +11,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
-from ..nn import EmbeddingBagCollection, FeatureMap, JaggedRows, KeyedJagged, lookup_tables
+from ..nn import (
+    EmbeddingBagCollection,
+    FeatureMap,
+    Features,
+    JaggedRows,
+    KeyedJagged,
+    PerFeature,
+    Pooled,
+    lookup_tables,
+)
 from ._modules import QuantizedEmbedding, QuantizedEmbeddingBag
 
 __all__ = ["QuantizedEmbeddingBagCollection", "QuantizedEmbeddingCollection"]
@@ -52,12 +60,7 @@ class QuantizedEmbeddingBagCollection(_QuantizedCollection):
 
     # EmbeddingBagCollection.forward's signature (`duplicates` pairs the two): a drop-in, and the
     # lookup itself is the float collection's one `lookup_tables`.
-    def forward(
-        self,
-        features: dict[str, Any] | KeyedJagged,
-        offsets: dict[str, Any] | None = None,
-        per_sample_weights: dict[str, Any] | None = None,
-    ) -> dict[str, torch.Tensor]:
+    def forward(self, features: Features, offsets: PerFeature = None, per_sample_weights: PerFeature = None) -> Pooled:
         return lookup_tables(self.embedding_bags, self._groups, features, offsets, per_sample_weights, self.served)
 
     concat = staticmethod(EmbeddingBagCollection.concat)
