@@ -46,12 +46,18 @@ def test_the_gpu_segment_sum_equals_torch_coalesce(ids: list[int], dtype: torch.
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.integers(1, 5), min_size=1, max_size=20), st.integers(1, 30), st.booleans())
-def test_the_gpu_segment_sum_of_gathered_weighted_rows_equals_embedding_bag(sizes, rows, weighted) -> None:
-    # A bag gradient's form: ``order`` picks rows with repeats (each id's bag), weights scale them.
+@given(
+    st.lists(st.integers(1, 5), min_size=1, max_size=20),
+    st.integers(1, 30),
+    st.booleans(),
+    st.sampled_from([torch.int32, torch.int64]),
+)
+def test_the_gpu_segment_sum_of_gathered_weighted_rows_equals_embedding_bag(sizes, rows, weighted, index) -> None:
+    # A bag gradient's form: ``order`` picks rows with repeats (each id's bag), weights scale them;
+    # a bag's ids and offsets come as int32 or int64, as embedding_bag takes them.
     g = torch.Generator().manual_seed(sum(sizes) * rows)
-    order = torch.randint(0, rows, (sum(sizes),), generator=g)
-    starts = torch.tensor([0, *sizes[:-1]]).cumsum(0)
+    order = torch.randint(0, rows, (sum(sizes),), generator=g).to(index)
+    starts = torch.tensor([0, *sizes[:-1]]).cumsum(0).to(index)
     values = torch.randn(rows, 3, generator=g, dtype=torch.float64)
     weights = torch.rand(order.numel(), generator=g, dtype=torch.float64) if weighted else None
     want = torch.nn.functional.embedding_bag(order, values, starts, mode="sum", per_sample_weights=weights)

@@ -99,7 +99,7 @@ def _scattered_sum(
     # index_add adds every row at once (atomics; its order of addition is the device's, as in
     # torch's own CUDA embedding backward). Deterministic mode keeps embedding_bag's fixed order.
     segment = torch.zeros(order.numel(), dtype=order.dtype, device=order.device)
-    segment.index_fill_(0, offsets[1:], 1)  # a one where each segment after the first starts
+    segment.index_fill_(0, offsets[1:].long(), 1)  # a one where each segment after the first starts (int32 too)
     rows = values.index_select(0, order)
     if weights is not None:
         rows.mul_(weights.unsqueeze(1))
