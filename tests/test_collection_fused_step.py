@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import shardvar
-import shardvar.nn._bag_grad as bag_grad
 import shardvar.nn._collection_build as build
+import shardvar.variables._bag_grad as bag_grad
 from shardvar import optim as so
 
 CONFIGS = {  # two widths (two groups), div and mod layouts, one table of one shard

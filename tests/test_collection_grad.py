@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardvar import EmbeddingBagCollection, TableConfig
-from shardvar.nn._bag_grad import sparse_bag
+from shardvar.variables._bag_grad import sparse_bag
 
 
 @settings(max_examples=15, deadline=None)

@@ -28,8 +28,21 @@ def test_coalesce_equals_torch_coalesce(ids: list[int], dtype: torch.dtype, recy
     rows, summed = coalesce(keys, values, 61, recycle)
     want = torch.sparse_coo_tensor(keys[None], values, (61, 3), check_invariants=True).coalesce()
     assert rows.dtype == torch.int64 and torch.equal(rows, want.indices()[0])
-    tol = {"rtol": 0, "atol": 0} if dtype != torch.bfloat16 else {"rtol": 2e-2, "atol": 2e-2}
+    # Each row's occurrences added in input order, bit for bit (bfloat16: accumulated wider, as the
+    # bag kernel does, in its own way); torch's coalesce adds them in an order of its own
+    # (vectorised), so against it the sums agree to rounding only.
+    if dtype != torch.bfloat16:
+        in_order = [_sum_in_order(values[keys == k]) for k in want.indices()[0].tolist()]
+        assert torch.equal(summed, torch.stack(in_order) if in_order else summed.new_zeros(0, 3))
+    tol = {} if dtype != torch.bfloat16 else {"rtol": 2e-2, "atol": 2e-2}
     torch.testing.assert_close(summed, want.values(), **tol)
+
+
+def _sum_in_order(rows: torch.Tensor) -> torch.Tensor:
+    total = rows[0].clone()
+    for row in rows[1:]:
+        total += row
+    return total
 
 
 @settings(max_examples=40, deadline=None)

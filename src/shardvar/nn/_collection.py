@@ -6,7 +6,7 @@ moved into one allocation, back to back (``Tensor.set_``: the Parameters keep th
 A forward then shifts each table's ids to its rows in that allocation and runs one
 ``F.embedding_bag`` over it for every table of the group: the table-batched lookup that makes
 26 tables cost one kernel, not 26. A sparse sum or mean group (the training path whose backward
-sums each row's gradient, :mod:`._bag_grad`) instead gives each table's ids and offsets as they
+sums each row's gradient, :mod:`..variables._bag_grad`) instead gives each table's ids and offsets as they
 are to a kernel over the table's rows of the allocation (:mod:`._pooled`): shifting and packing
 every feature's ids cost more than the kernels they save. If a table's shards move later
 (``.to(...)``), the group is looked up table by table.

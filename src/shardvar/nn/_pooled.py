@@ -22,8 +22,7 @@ from typing import Any
 import torch
 
 from ..layout import check_ids
-from ..variables import ShardStore, SlabSplit
-from ._bag_grad import Part, sparse_bags
+from ..variables import Part, ShardStore, SlabSplit, sparse_bags
 from ._pack import buffer, checked_features, refused
 
 __all__ = ["sparse_pooled"]

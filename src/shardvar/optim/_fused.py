@@ -11,7 +11,7 @@ has nothing left to do; ``handle.remove()`` restores the ordinary behaviour.
 
 A table held in one slab also gets a sink (``ShardStore.attach(sink=...)``): a sparse collection's backward
 sums its rows' gradient and hands it straight to the update, table by table and a slice of rows
-at a time (``nn._bag_grad.SINK_BYTES``), each slice updated before the next is summed, so neither
+at a time (``variables._bag_grad.SINK_BYTES``), each slice updated before the next is summed, so neither
 the gradients of all tables nor a whole table's exist at once (FBGEMM's fused backward).
 A collection called twice before one backward thus updates its tables once per call, as
 FBGEMM's does; a table read twice by other lookups is updated once, with the summed gradient.

@@ -6,6 +6,7 @@
 
 from . import _functional as functional
 from ._autograd import SlabSplit, reading
+from ._bag_grad import Part, sparse_bags
 from ._create import create_partitioned_variables, shard_tensor, to_layout
 from ._distinct import segments, sparse_rows
 from ._functional import (
@@ -42,6 +43,7 @@ __all__ = [
     "BAG_MODES",
     "FORMATS",
     "FORMS",
+    "Part",
     "RowFormat",
     "SlabSplit",
     "as_slab",
@@ -70,6 +72,7 @@ __all__ = [
     "segments",
     "shards_over",
     "slab_weight",
+    "sparse_bags",
     "sparse_rows",
     "spread",
     "storage_ids",

@@ -22,9 +22,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..variables import bag_parts, reading, segment_sum, segments, sparse_rows
+from ._autograd import SlabSplit, reading
+from ._distinct import segment_sum, segments, sparse_rows
+from ._kernels import bag_parts
 
-__all__ = ["Part", "sparse_bag", "sparse_bags"]
+__all__ = ["Part", "slab_bags", "sparse_bag", "sparse_bags"]
 
 
 def _bag_of(offsets: torch.Tensor, first_bag: int, first_id: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,3 +202,33 @@ def sparse_bag(
     """One feature of :func:`sparse_bags` over the whole weight:
     ``F.embedding_bag(rows, weight, offsets, mode, sparse=True, per_sample_weights=psw)``."""
     return sparse_bags(weight, mode, [Part(0, weight.shape[0])], ([rows], [offsets], [psw]))[0]
+
+
+def slab_bags(
+    store: Any, ids: torch.Tensor, offsets: torch.Tensor | None, mode: str, weights: torch.Tensor | None
+) -> torch.Tensor:
+    """``F.embedding_bag(ids, table, offsets, mode, sparse=True, per_sample_weights=weights)`` (sum or
+    mean) over a store's slab, its sparse gradient summed per distinct row (the module's docstring)
+    and split into the shards' coalesced gradients: torch's own sparse gradient would be a row per
+    id (a bag's gradient copied to each of its ids), which the split then sorts and sums again.
+    ``ids`` are the table's rows, 1-D with ``offsets`` (bag starts) or 2-D (fixed-size bags)."""
+    rows = ids if store.logical_slab else store.slab_rows(ids)
+    if rows.dim() == 2:  # fixed-size bags: each row's starts
+        offsets = torch.arange(rows.shape[0], dtype=rows.dtype, device=rows.device) * rows.shape[1]
+        rows, weights = rows.reshape(-1), None if weights is None else weights.reshape(-1)
+    slab = store.full_slab
+    part = Part(0, slab.shape[0])
+    shards = tuple(store.local_shards().values())
+    return sparse_bags(slab, mode, [part], ([rows], [offsets], [weights]), shards, SlabSplit(store))[0]
+
+
+def sums_rows(store: Any, mode: str, scale_grad_by_freq: bool, padding_idx: Any, max_norm: Any, last: bool) -> bool:
+    """Whether :func:`slab_bags` computes a sparse bag of this local store: a sum or mean bag over a
+    slab on the CPU whose shards want a gradient, with none of the options the product leaves out
+    (a padding row, max_norm, scale_grad_by_freq, include_last_offset: torch's op then)."""
+    if mode == "max" or scale_grad_by_freq or padding_idx is not None or max_norm is not None or last:
+        return False
+    slab = store.full_slab
+    if slab is None or slab.device.type != "cpu" or not torch.is_grad_enabled():
+        return False
+    return any(s.requires_grad for s in store.local_shards().values())

@@ -28,6 +28,7 @@ from .._validate import BAG_MODES, check_bag_mode, check_bool, check_int, check_
 from ..layout import as_ids, check_ids
 from . import _gather
 from ._autograd import GatherRows, SlabView, gather_local, scatter_grads
+from ._bag_grad import slab_bags, sums_rows
 from ._distinct import Distinct, distinct, expand, segment_sum
 from ._jagged import bags, check_jagged, is_nested, on_values
 from ._kernels import bag_parts, embedding_bag_rows, embedding_rows, packed_bag_rows, packed_rows, renorm_rows
@@ -36,24 +37,9 @@ from ._spread import checked, exchange_of, spread
 from ._store import ShardStore
 
 __all__ = [
-    "BAG_MODES",
-    "bag_parts",
-    "check_padding_idx",
-    "checked",
-    "embedding",
-    "embedding_bag",
-    "embedding_bag_rows",
-    "embedding_rows",
-    "gather",
-    "gather_local",
-    "packed_bag_rows",
-    "packed_rows",
-    "renorm",
-    "renorm_rows",
-    "scatter_grads",
-    "segment_sum",
-    "slab_weight",
-    "spread",
+    "BAG_MODES", "bag_parts", "check_padding_idx", "checked", "embedding", "embedding_bag",
+    "embedding_bag_rows", "embedding_rows", "gather", "gather_local", "packed_bag_rows", "packed_rows",
+    "renorm", "renorm_rows", "scatter_grads", "segment_sum", "slab_weight", "spread",
 ]
 
 
@@ -373,6 +359,10 @@ def embedding_bag(
         return *prepared, given[1], given[3], bag_offsets, check_weights(given[2], prepared[0], mode, store.dtype)
 
     ids, pad, max_norm, norm_type, deferred, offsets, include_last_offset, bag_offsets, weights = checked(store, check)
+    local = sparse and exchange_of(store) is None and not _transformed(ids)
+    if local and sums_rows(store, mode, scale_grad_by_freq, pad, max_norm, include_last_offset):
+        op = functools.partial(slab_bags, store, ids, bag_offsets, mode, weights)  # no gradient row per id
+        return _refused_ids(op, deferred, store, ids, (offsets, include_last_offset))
     src = _source(store, ids if ids.dim() == 1 else ids.reshape(-1), pad, max_norm, norm_type, sparse, by_rows)
     indices = src.indices if src.indices.shape == ids.shape else src.indices.reshape(ids.shape)
     options = (src.max_norm, norm_type, scale_grad_by_freq, mode, src.sparse, weights, include_last_offset)

@@ -5,7 +5,7 @@ A store is the variables layer's; the layers above add behaviour to it without r
 * a :class:`RowSource` (the distributed layer's ``Exchange``) fetches the rows of ids that other
   ranks own; every lookup of a store with one asks it;
 * a :class:`RowSink` (a fused optimizer's update, ``optim/_fused.py``) takes a table's summed
-  gradient rows in backward (a sparse collection's backward hands them over, ``nn/_bag_grad.py``);
+  gradient rows in backward (a sparse collection's backward hands them over, ``variables/_bag_grad.py``);
 * companions: the other stores over the same memory (a collection's group), which must agree
   before any of them moves rows.
 
