@@ -45,6 +45,15 @@ def test_each_rank_gets_its_own_file(tmp_path, path, rank, name):
         spec.for_rank(-1)
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("rows", [10, 1000, 10**6])
+def test_a_planned_placement_never_replicates_a_tiered_table(tmp_path, world, rows):
+    storage = shardvar.Tiered(tmp_path / "t.rows", cache_bytes=64)
+    tables = {"t": shardvar.TableConfig(rows, 8, storage=storage), "ram": shardvar.TableConfig(rows, 8)}
+    plan = shardvar.distributed.plan_collection(tables, world)
+    assert plan["t"] != "replicate" and (rows > 10 or plan["ram"] == "replicate")
+
+
 def test_a_tiered_bag_trains_as_the_bag_in_ram_bitwise(ranks):
     results, path = ranks
     for rank, r in enumerate(results):
@@ -160,3 +169,31 @@ def test_one_rank_holding_every_shard_still_serves_them_from_its_file(tmp_path, 
     assert tiered.cache_stats()["evictions"] > 0 and [p.name for p in tmp_path.iterdir()] == ["t.rank0.rows"]
     with pytest.raises(shardvar.ShardvarTypeError, match=r"reads no rows ahead.*Prefetcher local tables only"):
         tiered.cache  # noqa: B018
+
+
+def test_one_rank_sequence_collection_with_a_tiered_table_trains_as_in_ram(tmp_path, one_rank):
+    def tables(tiered: bool) -> dict:
+        storage = {"storage": shardvar.Tiered(tmp_path / "big.rows", cache_bytes=100, read_ahead=0.0)} if tiered else {}
+        return {"big": shardvar.TableConfig(ROWS, DIM, 3, "mod", **storage), "small": shardvar.TableConfig(10, DIM)}
+
+    cls = shardvar.distributed.DistributedEmbeddingCollection
+    ref, tiered = cls(tables(False), sparse=True), cls(tables(True), sparse=True)
+    opts = [optim.RowWiseAdagrad(m, lr=0.1) for m in (ref, tiered)]
+    for o in opts:
+        optim.fuse(o)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        ids = torch.randint(0, ROWS, (4,), generator=g)
+        inputs = ({"big": ids, "small": ids % 10}, {"big": torch.tensor([0, 2]), "small": torch.tensor([0, 1])})
+        outs = [m(*inputs) for m in (ref, tiered)]
+        assert all(torch.equal(outs[0][k].values, outs[1][k].values) for k in outs[0])
+        for out in outs:
+            sum(v.values.square().sum() for v in out.values()).backward()
+    big = tiered.embeddings["big"]
+    assert torch.equal(
+        ref.sharded_variables()["embeddings.big.weight"].to_tensor(), big.sharded_variables()["weight"].join()
+    )
+    assert sorted(t.name for t in opts[1].tables) == sorted(t.name for t in opts[0].tables)
+    assert _equal(opts[0].sharded_variables()["embeddings.big.weight/sum"].local_shards(),
+                  opts[1].sharded_variables()["embeddings.big.weight/sum"].local_shards())  # fmt: skip
+    assert big.cache_stats()["evictions"] > 0
