@@ -163,6 +163,8 @@ class DistributedEmbeddingBagCollection(nn.Module):
     ids). ``placement`` maps a table to ``"row"`` (default), ``"table"``, a rank or ``"replicate"``
     (whole on every rank, data parallel: for small tables); ``placement="auto"`` asks
     :func:`plan_collection` (replicate the tiny, split the large by rows, balance the rest whole).
+    A table whose ``TableConfig`` has ``storage=`` is a group of its own, each rank's shards in its own
+    file (see ``DistributedEmbedding``), under the local collection's name ``<prefix>.<table>``.
     """
 
     pooled: ClassVar[bool] = True  # bags per feature; the sequence twin returns every id's row

@@ -95,8 +95,12 @@ class DistributedEmbedding(_Distributed, ShardedEmbedding):
     own ids. Parameters are this rank's shards, ``shard_<index>``; keep them out of
     DistributedDataParallel (they are not replicated), e.g. by wrapping only the dense layers.
     Every option of ``ShardedEmbedding`` works (padding_idx, max_norm, scale_grad_by_freq, sparse).
+    ``storage=shardvar.Tiered(path, ...)`` (the same on every rank) keeps each rank's shards in its own
+    file: ``{rank}`` in the file's name becomes the rank, else the rank goes before the suffix
+    (``Tiered.for_rank``); ``cache_stats()`` is then this rank's cache.
     """
 
 
 class DistributedEmbeddingBag(_Distributed, ShardedEmbeddingBag):
-    """``nn.EmbeddingBag`` (sum, mean, max; offsets, per_sample_weights, padding_idx) sharded over ranks."""
+    """``nn.EmbeddingBag`` (sum, mean, max; offsets, per_sample_weights, padding_idx) sharded over ranks
+    (``storage=``: as :class:`DistributedEmbedding`'s)."""
