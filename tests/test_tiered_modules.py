@@ -304,15 +304,6 @@ def test_table_config_storage_must_be_a_storage():
         shardvar.TableConfig(10, 4, storage="/tmp/x.rows")
 
 
-def test_modules_that_cannot_hold_a_tiered_table_refuse_it(tmp_path):
-    storage = _tiered(tmp_path, 8)
-    with pytest.raises(ShardvarValueError, match="storage= is not supported by DistributedEmbedding"):
-        shardvar.DistributedEmbedding(ROWS, DIM, storage=storage)
-    with pytest.raises(ShardvarValueError, match=r"\['t'\] have storage="):
-        shardvar.distributed.DistributedEmbeddingBagCollection({"t": shardvar.TableConfig(ROWS, DIM, storage=storage)})
-    assert not list(tmp_path.iterdir())
-
-
 @pytest.mark.parametrize(
     "cls, options",
     [(shardvar.ShardedEmbeddingBag, {"mode": "max"}), (shardvar.ShardedEmbedding, {"scale_grad_by_freq": True})],

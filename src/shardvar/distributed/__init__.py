@@ -7,6 +7,7 @@ from ._dynamic import DistributedDynamicEmbedding
 from ._module import DistributedEmbedding, DistributedEmbeddingBag
 from ._placement import plan_collection
 from ._quantized import QuantizedDistributedEmbeddingBagCollection, QuantizedDistributedEmbeddingCollection
+from ._tiered import DistributedTieredEmbedding, DistributedTieredEmbeddingBag
 from ._variable import DistributedShardedVariable, distributed_store, round_robin
 
 __all__ = [
@@ -18,6 +19,8 @@ __all__ = [
     "DistributedEmbeddingBagCollection",
     "DistributedEmbeddingCollection",
     "DistributedShardedVariable",
+    "DistributedTieredEmbedding",
+    "DistributedTieredEmbeddingBag",
     "QuantizedDistributedEmbeddingBagCollection",
     "QuantizedDistributedEmbeddingCollection",
     "distributed_store",

@@ -28,6 +28,7 @@ from ..nn import (
     ShardedEmbedding,
     ShardedEmbeddingBag,
     TableConfig,
+    TieredTable,
     check_tables,
     feature_map,
     jagged_split,
@@ -41,6 +42,7 @@ from ._comm import DEFAULT_TIMEOUT, Comm
 from ._module import _Distributed
 from ._placement import plan_collection
 from ._replicas import Replicas
+from ._tiered import _TieredRanks
 
 __all__ = ["DistributedEmbeddingBagCollection", "DistributedEmbeddingCollection", "lookup_collection"]
 
@@ -63,6 +65,31 @@ class _GroupBag(_Unnamed, _Distributed, ShardedEmbeddingBag):
 
 class _GroupRows(_Unnamed, _Distributed, ShardedEmbedding):
     """A sequence collection's group: every id's row."""
+
+
+class _TieredGroup:
+    """A collection's tiered table (a mixin): a group of its own, each rank's shards in its own file. Its
+    store's rows are the group's (an explicit layout of the table's shards, ids packed to them as for every
+    group); its ``layout`` is the table's (the same shards, in order), in which optimizers and checkpoints see
+    it, named as the local collection's table (``<prefix>.<table>``: the collection registers it there)."""
+
+    def __init__(self, *args: Any, table_layout: Layout, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.layout = table_layout
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        pass  # the table is its ``sharded_variables`` (streamed by a checkpoint); it has no tensor in RAM
+
+
+class _GroupTieredBag(_TieredGroup, _TieredRanks, TieredTable, _GroupBag):
+    """A pooled collection's tiered table."""
+
+
+class _GroupTieredRows(_TieredGroup, _TieredRanks, TieredTable, _GroupRows):
+    """A sequence collection's tiered table."""
+
+
+TIERED_GROUPS = {_GroupBag: _GroupTieredBag, _GroupRows: _GroupTieredRows}
 
 
 class _Renumbered:
@@ -108,6 +135,7 @@ def _agree(comm: Comm, tables: dict[str, TableConfig], placement: dict[str, Any]
     described = {n: {f: repr(getattr(c, f)) for f in _FIELDS} for n, c in tables.items()}
     for name, fields in described.items():
         fields["placement"] = repr(placement.get(name, "row"))
+        fields["storage"] = "tiered" if tables[name].storage is not None else "in RAM"
     mine = (list(described), described, sparse)
     everyone = comm.all_gather_object(mine, "the collection's tables")
     for rank, (names, configs, other_sparse) in enumerate(everyone):
@@ -135,6 +163,8 @@ class DistributedEmbeddingBagCollection(nn.Module):
     ids). ``placement`` maps a table to ``"row"`` (default), ``"table"``, a rank or ``"replicate"``
     (whole on every rank, data parallel: for small tables); ``placement="auto"`` asks
     :func:`plan_collection` (replicate the tiny, split the large by rows, balance the rest whole).
+    A table whose ``TableConfig`` has ``storage=`` is a group of its own, each rank's shards in its own
+    file (see ``DistributedEmbedding``), under the local collection's name ``<prefix>.<table>``.
     """
 
     pooled: ClassVar[bool] = True  # bags per feature; the sequence twin returns every id's row
@@ -152,9 +182,6 @@ class DistributedEmbeddingBagCollection(nn.Module):
     ) -> None:
         super().__init__()
         check_tables(tables, sparse, self.pooled)
-        tiered = [n for n, c in tables.items() if c.storage is not None]
-        if tiered:  # each rank's own file is not built yet: refused, not silently held in RAM
-            raise ShardvarValueError(f"tables {tiered} have storage=: a distributed collection holds its rows in RAM")
         world = Comm(group, timeout).world
         placement = _checked_placement(tables, placement, world)
         _agree(Comm(group, timeout), tables, placement, sparse)
@@ -164,21 +191,27 @@ class DistributedEmbeddingBagCollection(nn.Module):
         init = initializer or RowInitializer()
         first = dict(zip(tables, [0, *itertools.accumulate(c.num_embeddings for c in tables.values())], strict=False))
         replicated = {n: c for n, c in tables.items() if placement.get(n) == "replicate"}
+        tiered = sorted(n for n, c in replicated.items() if c.storage is not None)
+        if tiered:  # every rank would hold the whole table in RAM
+            raise ShardvarValueError(
+                f"tables {tiered} have storage= and placement 'replicate': a tiered table is split over ranks"
+            )
         comm = self.comm = Comm(group, timeout)
         self.replicas = Replicas(replicated, sparse, init, {n: first[n] for n in replicated}, comm, self.pooled)
         self.add_module(self.prefix, self.replicas.embedding_bags)  # the replicated tables' parameters
         self.layouts: dict[str, Layout] = {}
-        by_kind: dict[tuple[int, str], list[str]] = {}
+        by_kind: dict[tuple[int, str, str], list[str]] = {}
         for name, cfg in tables.items():
             if name in replicated:
                 continue
             count = cfg.partitioner if placement.get(name, "row") == "row" else 1
             self.layouts[name] = to_layout(count, (cfg.num_embeddings, cfg.embedding_dim), None, cfg.partition_strategy)
-            by_kind.setdefault((cfg.embedding_dim, cfg.mode), []).append(name)
+            alone = name if cfg.storage is not None else ""  # a tiered table: a group of its own, over its files
+            by_kind.setdefault((cfg.embedding_dim, cfg.mode, alone), []).append(name)
         self.groups: list[list[str]] = list(by_kind.values())
         self.starts: dict[str, int] = {}
         bags = []
-        for (dim, mode), names in by_kind.items():
+        for (dim, mode, alone), names in by_kind.items():
             sizes, ranks, numbers, start = [], [], [], 0
             for name in names:
                 layout = self.layouts[name]
@@ -188,14 +221,19 @@ class DistributedEmbeddingBagCollection(nn.Module):
                 ranks += _ranks(placement.get(name, "row"), layout, list(tables).index(name), world, name)
                 numbers += [first[name] + layout.shard_ids(s) for s in range(layout.num_shards)]
             cls, options = (_GroupBag, {"mode": mode}) if self.pooled else (_GroupRows, {})
+            if alone:
+                table = {"storage": tables[alone].storage, "table_layout": self.layouts[alone]}
+                cls, options = TIERED_GROUPS[cls], {**options, **table}
             bags.append(
                 cls(
                     start, dim, Layout.explicit(sizes), sparse=sparse, placement=ranks,
                     initializer=_Renumbered(init, torch.cat(numbers)), group=group, timeout=timeout, **options,
                 )
             )  # fmt: skip
-        for bag in bags:
-            bag.set_state_dict_form("sharded")  # this rank's shards; tables are saved by the collection
+            if alone:  # named as the local collection's table (its optimizer state and checkpoint too)
+                self.replicas.embedding_bags[alone] = bags[-1]
+            else:
+                bags[-1].set_state_dict_form("sharded")  # this rank's shards; tables are saved by the collection
         self.bags = nn.ModuleList(bags)
 
     @property
@@ -209,6 +247,8 @@ class DistributedEmbeddingBagCollection(nn.Module):
         keeps one state, and one step count, per table, checkpointed under the table's name."""
         out = {}
         for names, bag in zip(self.groups, self.bags, strict=True):
+            if isinstance(bag, TieredTable):  # its own module, ``<prefix>.<table>``, names it
+                continue
             local, first = bag.store.local_shards(), 0
             for name in names:
                 layout = self.layouts[name]

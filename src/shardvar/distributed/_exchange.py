@@ -22,7 +22,7 @@ from ..variables import ShardStore, functional
 from ._agree import agree, refuse
 from ._comm import Comm
 
-__all__ = ["Exchange", "RowOptions"]
+__all__ = ["Exchange", "RowOptions", "grads_to_owners", "rows_back", "send_ids"]
 
 
 @dataclass(frozen=True)
@@ -37,9 +37,12 @@ class RowOptions:
 class Exchange:
     """Fetches rows of a store's variable from the ranks that own them (shard s on ``placement[s]``)."""
 
-    def __init__(self, comm: Comm, placement: tuple[int, ...], requires_grad: bool) -> None:
+    def __init__(self, comm: Comm, placement: tuple[int, ...], requires_grad: bool, server: Any = None) -> None:
         self.comm = comm
         self.placement = placement
+        # What the owners read rows from: None, their store's shards; else an object whose ``rows(exchange,
+        # store, ids, options)`` is this method's (a tiered table's rank serves them from its file's cache)
+        self.server = server
         self.owner = torch.tensor(placement, dtype=torch.int64, device=comm.device)
         # Every rank must take part in the backward all_to_all, also one that owns no shard (or
         # whose shards are frozen): this empty tensor puts the lookup in every rank's graph.
@@ -63,8 +66,16 @@ class Exchange:
     ) -> torch.Tensor:
         """Rows ``ids`` (1-D, any order, duplicates allowed) as ``[len(ids), width]``. Collective."""
         options = RowOptions(sparse, max_norm, norm_type)
+        if self.server is not None:
+            return self.server.rows(self, store, ids.to(self.comm.device), options)
         shards = store.local_shards().values()
         return _ExchangeRows.apply(self, store, ids.to(self.comm.device), options, self.anchor, *shards)[0]
+
+    def serving(self, server: Any) -> Exchange:
+        """This exchange, its owners reading rows from ``server`` (see ``server`` above)."""
+        served = Exchange(self.comm, self.placement, False, server)
+        served.anchor = self.anchor
+        return served
 
     def refuse(self, error: ShardvarError) -> NoReturn:
         """Collective, in place of a lookup whose input this rank refused: every rank raises the agreed
@@ -72,7 +83,7 @@ class Exchange:
         refuse(self.comm, error)
 
 
-def _send_ids(ex: Exchange, store: ShardStore, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list, list]:
+def send_ids(ex: Exchange, store: ShardStore, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list, list]:
     """All_to_all the ids (valid: checked by the lookup) to their owners: (order sent, ids received,
     counts sent, counts received). The split sizes carry this rank's verdict: good, since it got here.
 
@@ -100,16 +111,13 @@ class _ExchangeRows(torch.autograd.Function):
         anchor: torch.Tensor,
         *shards: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        order, recv_ids, send_list, recv_list = _send_ids(ex, store, ids)
+        order, recv_ids, send_list, recv_list = send_ids(ex, store, ids)
         if options.max_norm is not None and recv_ids.numel():
             functional.renorm(store, torch.unique(recv_ids), options.max_norm, options.norm_type)
         local = functional.gather_local(store, recv_ids, ids.device) if recv_ids.numel() else None
-        width = store.width
         if local is None:
-            local = torch.empty(0, width, dtype=store.dtype, device=ids.device)
-        back = store.recycler.take("exchange rows", (sum(send_list), width), store.dtype, ids.device)
-        ex.comm.all_to_all(back, local.contiguous(), send_list, recv_list, "rows")
-        rows = empty_like(back).index_copy_(0, order, back) if order.numel() else back  # empty: in owner order
+            local = torch.empty(0, store.width, dtype=store.dtype, device=ids.device)
+        rows = rows_back(ex, store, local, order, send_list, recv_list)
         return rows, order, recv_ids, torch.tensor(send_list), torch.tensor(recv_list)
 
     @staticmethod
@@ -127,9 +135,27 @@ class _ExchangeRows(torch.autograd.Function):
         order, recv_ids = ctx.saved_tensors
         send_list, recv_list = ctx.counts
         ex, store = ctx.ex, ctx.store
-        received = store.recycler.take("exchange grads", (sum(recv_list), grad.shape[1]), grad.dtype, grad.device)
-        send = grad.index_select(0, order) if order.numel() else grad
-        ex.comm.all_to_all(received, send.contiguous(), recv_list, send_list, "gradients")
+        received = grads_to_owners(ex, store, grad, order, send_list, recv_list)
         grads = functional.scatter_grads(store, recv_ids, received, ctx.sparse) if store.local_shards() else {}
         shards = tuple(grads.get(s) for s in store.local_shards())
         return (None, None, None, None, torch.zeros_like(ex.anchor), *shards)
+
+
+def rows_back(
+    ex: Exchange, store: ShardStore, local: torch.Tensor, order: torch.Tensor, send_list: list, recv_list: list
+) -> torch.Tensor:
+    """All_to_all the rows an owner read (``local``, for the ids it received) back to the ranks that asked,
+    each rank's in the order of its ids (``order``, from :func:`send_ids`)."""
+    back = store.recycler.take("exchange rows", (sum(send_list), local.shape[1]), local.dtype, local.device)
+    ex.comm.all_to_all(back, local.contiguous(), send_list, recv_list, "rows")
+    return empty_like(back).index_copy_(0, order, back) if order.numel() else back  # empty: in owner order
+
+
+def grads_to_owners(
+    ex: Exchange, store: ShardStore, grad: torch.Tensor, order: torch.Tensor, send_list: list, recv_list: list
+) -> torch.Tensor:
+    """All_to_all each requested row's gradient to its owner: the gradient rows of the ids it received."""
+    received = store.recycler.take("exchange grads", (sum(recv_list), grad.shape[1]), grad.dtype, grad.device)
+    send = grad.index_select(0, order) if order.numel() else grad
+    ex.comm.all_to_all(received, send.contiguous(), recv_list, send_list, "gradients")
+    return received

@@ -12,7 +12,9 @@ from ..variables import RowInitializer
 from ._comm import DEFAULT_TIMEOUT
 from ._variable import DistributedShardedVariable, distributed_store
 
-__all__ = ["DistributedEmbedding", "DistributedEmbeddingBag"]
+__all__ = ["DistributedEmbedding", "DistributedEmbeddingBag", "TIERED_TWINS"]
+
+TIERED_TWINS: dict[type, type] = {}  # a distributed module -> its tiered twin (``storage=``), filled by ``_tiered``
 
 
 class _Distributed:
@@ -24,6 +26,13 @@ class _Distributed:
     The public modules are ``_Distributed`` plus ``ShardedEmbedding(Bag)``; a distributed collection's
     group tables are the same pieces (``distributed._collection``), not subclasses of the public ones.
     """
+
+    rows_in_ram: bool = True  # False: a tiered twin's, whose rank keeps its shards in a file (``_tiered``)
+
+    def __new__(cls, *args: Any, storage: Any = None, **kwargs: Any) -> Any:
+        if storage is not None and cls in TIERED_TWINS:  # its tiered twin (a subclass: isinstance still holds)
+            cls = TIERED_TWINS[cls]
+        return super().__new__(cls, *args, storage=storage, **kwargs)
 
     def __init__(
         self,
@@ -50,8 +59,10 @@ class _Distributed:
             group=group,
             timeout=timeout,
             name="weight",
+            held=self.rows_in_ram,
         )
         super().__init__(num_embeddings, embedding_dim, _store=store, **options)
+        self.initializer = initializer or RowInitializer()  # the rows' values, drawn by id (a tiered twin's file)
         if self.padding_idx is not None:  # as nn.Embedding initialises it; only its owner holds the row
             shard, row = self.layout.locate([self.padding_idx])
             local = self.store.local_shards()
@@ -84,8 +95,12 @@ class DistributedEmbedding(_Distributed, ShardedEmbedding):
     own ids. Parameters are this rank's shards, ``shard_<index>``; keep them out of
     DistributedDataParallel (they are not replicated), e.g. by wrapping only the dense layers.
     Every option of ``ShardedEmbedding`` works (padding_idx, max_norm, scale_grad_by_freq, sparse).
+    ``storage=shardvar.Tiered(path, ...)`` (the same on every rank) keeps each rank's shards in its own
+    file: ``{rank}`` in the file's name becomes the rank, else the rank goes before the suffix
+    (``Tiered.for_rank``); ``cache_stats()`` is then this rank's cache.
     """
 
 
 class DistributedEmbeddingBag(_Distributed, ShardedEmbeddingBag):
-    """``nn.EmbeddingBag`` (sum, mean, max; offsets, per_sample_weights, padding_idx) sharded over ranks."""
+    """``nn.EmbeddingBag`` (sum, mean, max; offsets, per_sample_weights, padding_idx) sharded over ranks
+    (``storage=``: as :class:`DistributedEmbedding`'s)."""

@@ -1,6 +1,7 @@
 """plan_collection: a placement for each table of a collection, from its size and the world size.
 
-Tiny tables are replicated (a copy per rank costs less than any exchange), tables larger than
+Tiny tables are replicated (a copy per rank costs less than any exchange; never a tiered one,
+whose rows are kept out of RAM: ``storage=``), tables larger than
 half a rank's fair share of the bytes are split by rows over every rank (whole, one would
 unbalance the ranks), and the rest are placed whole, largest first, each on the rank holding the
 fewest bytes so far. Pure and deterministic, so every rank computes the same placement.
@@ -33,7 +34,8 @@ def plan_collection(
     world = check_int(world, "world", minimum=1)
     check_int(replicate_bytes, "replicate_bytes", minimum=0)
     size = {n: _bytes(c, itemsize) for n, c in tables.items()}
-    out: dict[str, str | int] = {n: "replicate" for n, b in size.items() if b <= replicate_bytes}
+    tiny = {n for n, b in size.items() if b <= replicate_bytes and tables[n].storage is None}
+    out: dict[str, str | int] = dict.fromkeys(tiny, "replicate")
     rest = {n: b for n, b in size.items() if n not in out}
     fair = sum(rest.values()) / world
     load = [0.0] * world

@@ -62,8 +62,13 @@ def distributed_store(
     timeout: float = DEFAULT_TIMEOUT,
     requires_grad: bool = True,
     name: str | None = None,
+    held: bool = True,
 ) -> ShardStore:
-    """This rank's shards of a variable spread over ``group``, with the exchange for the rest. Collective."""
+    """This rank's shards of a variable spread over ``group``, with the exchange for the rest. Collective.
+
+    ``held=False``: no shard in RAM here (a tiered table's rank keeps its own in a file, and its
+    exchange serves them from there); the store then holds the layout and the exchange only.
+    """
     comm = Comm(group, timeout)
     shape = torch.Size(check_shape(shape))
     layout = to_layout(comm.world if partitioner is None else partitioner, shape, dtype, partition_strategy)
@@ -78,7 +83,7 @@ def distributed_store(
         shape,
         dtype,
         devices=[comm.device] * layout.num_shards,
-        owned=[s for s in range(layout.num_shards) if ranks[s] == comm.rank],
+        owned=[s for s in range(layout.num_shards) if ranks[s] == comm.rank and held],
         values=lambda s: init.rows(layout.shard_ids(s), row_shape, dtype),
         requires_grad=requires_grad,
     )

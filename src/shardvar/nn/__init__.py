@@ -11,13 +11,14 @@ from ._collection import (
     row_dtype,
     split_inputs,
 )
-from ._collection_build import FeatureMap
+from ._collection_build import FeatureMap, pieces
 from ._collection_modules import EmbeddingBagDict, EmbeddingBagList
 from ._embedding import ShardedEmbedding, ShardedEmbeddingBag
 from ._jagged import Features, JaggedRows, PerFeature, Pooled, jagged_split
 from ._linear import ShardedLinear
 from ._parameter import ShardsParametrization, set_state_dict_form, shard_parameter, sharded_parameters
 from ._sequence import EmbeddingCollection
+from ._tiered import TieredTable, to_sink, unfused
 
 __all__ = [
     "Features",
@@ -29,8 +30,11 @@ __all__ = [
     "jagged_split",
     "lookup_tables",
     "pack",
+    "pieces",
     "row_dtype",
     "split_inputs",
+    "to_sink",
+    "unfused",
     "EmbeddingBagCollection",
     "EmbeddingBagDict",
     "EmbeddingBagList",
@@ -38,6 +42,7 @@ __all__ = [
     "JaggedRows",
     "KeyedJagged",
     "TableConfig",
+    "TieredTable",
     "ShardedEmbedding",
     "ShardedEmbeddingBag",
     "ShardedLinear",

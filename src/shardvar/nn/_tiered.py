@@ -11,6 +11,10 @@ kernel (``functional.embedding_rows`` / ``embedding_bag_rows``) over them with e
 (padding, bags, per-sample weights as for any table). Its backward hands each looked-up id's
 gradient row to the tier's sink: the update of a shardvar
 optimizer fused into backward (``optim.fuse``), which is the only way a tiered table trains.
+
+The distributed twins (``distributed._tiered``) are this mixin over a distributed module: their
+``_open`` fills each rank's file with its own shards' rows, and their owners hand the gradient rows
+that come back to the sink with the same :func:`to_sink`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from .._errors import ShardvarIndexError, ShardvarTypeError, ShardvarValueError
 from ..variables import RowTier, TableStorage, functional
 from ._collection_build import pieces
 
-__all__ = ["TieredTable", "tiered_blocks"]
+__all__ = ["TieredTable", "tiered_blocks", "to_sink", "unfused"]
 
 TRAINS = (
     "a tiered table trains only through a shardvar.optim optimizer fused into backward "
@@ -58,15 +62,25 @@ class _TierRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
-        tier, slots = ctx.tier, ctx.slots
         ctx.token = None  # the batch's rows may move once its update is done
-        if tier.sink is None:
-            raise ShardvarTypeError(TRAINS + "; no fused optimizer holds this table")
-        if grad.is_sparse:  # one row per looked-up id: the sink sums them per row, as an in-memory table's update
-            tier.sink(slots[grad._indices()[0]], grad._values())
-        else:
-            tier.sink(slots, grad)
+        to_sink(ctx.tier, ctx.slots, grad)
         return None, None, None, None
+
+
+def unfused(tier: RowTier) -> ShardvarTypeError | None:
+    """The refusal of a backward into ``tier`` when no fused optimizer holds it (None: one does)."""
+    return ShardvarTypeError(TRAINS + "; no fused optimizer holds this table") if tier.sink is None else None
+
+
+def to_sink(tier: RowTier, slots: torch.Tensor, grad: torch.Tensor) -> None:
+    """Hand the gradient rows of the rows at ``slots`` (one each, dense or sparse) to the tier's sink."""
+    error = unfused(tier)
+    if error is not None:
+        raise error
+    if grad.is_sparse:  # one row per looked-up id: the sink sums them per row, as an in-memory table's update
+        tier.sink(slots[grad._indices()[0]], grad._values())
+    else:
+        tier.sink(slots, grad)
 
 
 class TieredTable:
@@ -90,13 +104,17 @@ class TieredTable:
         dtype = self.lookup_dtype = self._store.dtype  # the meta store stays: it holds no memory
         for name in list(self._parameters):
             del self._parameters[name]
-        blocks = tiered_blocks(self.num_embeddings, self.embedding_dim, dtype, weight, self.padding_idx)
-        self.tier = storage.open(self.num_embeddings, self.embedding_dim, dtype, blocks)
+        self.tier = self._open(storage, dtype, weight)
         # What autograd hangs the table's backward on (holds nothing): an optimizer over it is refused in
         # backward unless it is shardvar's, fused.
         self.tiered_rows = nn.Parameter(torch.empty(0), requires_grad=not frozen)
         self._state_dict_hooks.clear()  # the in-memory table's logical form reads .weight: not here
         self._load_state_dict_pre_hooks.clear()
+
+    def _open(self, storage: TableStorage, dtype: torch.dtype, weight: torch.Tensor | None) -> RowTier:
+        """The table's tier, filled with its initial rows (a distributed twin's: this rank's shards' only)."""
+        blocks = tiered_blocks(self.num_embeddings, self.embedding_dim, dtype, weight, self.padding_idx)
+        return storage.open(self.num_embeddings, self.embedding_dim, dtype, blocks)
 
     @property
     def store(self) -> Any:

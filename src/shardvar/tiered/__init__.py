@@ -9,6 +9,7 @@ below ``checkpoint``. ``RowFile`` holds every row with its optimizer state; ``Ro
 from ._cache import POLICIES, CacheStats, RowCache
 from ._file import BackingFileError, RecordLayout, RowFile
 from ._prefetch import Prefetcher
+from ._shards import ShardRows
 from ._storage import Tiered, TieredRows
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "RecordLayout",
     "RowCache",
     "RowFile",
+    "ShardRows",
     "Tiered",
     "TieredRows",
 ]

@@ -15,7 +15,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,22 @@ class Tiered:
             raise ShardvarTypeError(f"progress must be a callable (rows_done, rows) or None; got {self.progress!r:.80}")
         if check_number(self.read_ahead, "read_ahead", minimum=0.0) >= 1:
             raise ShardvarValueError(f"read_ahead must be a fraction of cache_bytes in [0, 1); got {self.read_ahead!r}")
+
+    def for_rank(self, rank: int) -> Tiered:
+        """This storage for rank ``rank`` of a distributed table, whose ranks each keep their own shards' file:
+        ``{rank}`` in the path is replaced by the rank, else the rank goes before the suffix
+        (``emb.rows`` -> ``emb.rank1.rows``; ``emb`` -> ``emb.rank1``).
+
+        >>> Tiered("/tmp/emb.rows", cache_bytes=1024).for_rank(1).path
+        PosixPath('/tmp/emb.rank1.rows')
+        """
+        check_int(rank, "rank", minimum=0)
+        path = Path(self.path)
+        if "{rank}" in path.name:
+            named = path.with_name(path.name.replace("{rank}", str(rank)))
+        else:
+            named = path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+        return replace(self, path=named)
 
     def open(self, rows: int, dim: int, dtype: torch.dtype, blocks: Iterator[torch.Tensor]) -> TieredRows:
         """A new backing file of ``rows`` x ``dim`` filled from ``blocks``, and its cache."""
@@ -226,19 +242,21 @@ class TieredRows:
         self._closer = weakref.finalize(self, _close, self.cache, new)
         self._columns[name] = (old.state_width, width)
 
-    def sharded(self, layout: Any, slot: str | None = None, row_wise: bool = False) -> Any:
+    def sharded(
+        self, layout: Any, slot: str | None = None, row_wise: bool = False, owned: tuple[int, ...] | None = None
+    ) -> Any:
         """The rows (``slot`` None) or the state slot ``slot`` as a ShardsView in ``layout`` over the file
-        (every changed row written back first)."""
+        (every changed row written back first); ``owned``: the file holds those shards only, back to back."""
         self.cache.flush()
         if self._map is None or self._map[0] is not self.file:
             self._map = (self.file, *mapped(self.file))
         _, _, values, state = self._map
-        rows = self.file.layout.rows
-        if slot is None:
-            return sharded_view(layout, (rows, values.shape[1]), values)
-        first, width = self._columns[slot]
-        column = state[:, first] if row_wise else state[:, first : first + width]
-        return sharded_view(layout, tuple(column.shape), column)
+        rows = layout.num_rows
+        column = values
+        if slot is not None:
+            first, width = self._columns[slot]
+            column = state[:, first] if row_wise else state[:, first : first + width]
+        return sharded_view(layout, (rows, *column.shape[1:]), column, owned)
 
     def reload(self) -> None:
         """Forget every cached row without writing it back: the file was just written (a checkpoint loaded)."""

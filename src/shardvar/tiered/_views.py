@@ -34,10 +34,18 @@ def mapped(file: RowFile) -> tuple[Any, torch.Tensor, torch.Tensor]:
     return raw, values, state
 
 
-def sharded_view(layout: Any, shape: tuple[int, ...], logical: torch.Tensor) -> ShardsView:
-    """``logical`` (rows in logical order, a view of the file) as the shards of ``layout``, also views."""
+def sharded_view(
+    layout: Any, shape: tuple[int, ...], logical: torch.Tensor, owned: tuple[int, ...] | None = None
+) -> ShardsView:
+    """``logical`` (a view of the file) as the shards of ``layout``, also views: the file's rows are the
+    table's in logical order, or (``owned``) those shards' only, back to back in that order (a rank's)."""
     shards = {}
-    for s in range(layout.num_shards):
+    if owned is not None:
+        first = 0
+        for s in owned:
+            shards[s] = logical[first : first + layout.sizes[s]]
+            first += layout.sizes[s]
+    for s in range(layout.num_shards) if owned is None else ():
         start, step, count = layout.shard_progression(s)
         shards[s] = logical[start : start + step * count : step] if count else logical[:0]
 

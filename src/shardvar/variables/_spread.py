@@ -13,9 +13,10 @@ __all__ = ["checked", "exchange_of", "local", "spread"]
 
 
 def exchange_of(store: ShardStore) -> Any:
-    """The store's exchange when rows live on other ranks (a one-process group needs none)."""
+    """The store's exchange when rows live on other ranks, or where the store holds none of them (a tiered
+    table's rank serves its rows from its file); a one-process group holding every row needs none."""
     ex = store.exchange
-    return ex if ex is not None and ex.world > 1 else None
+    return ex if ex is not None and (ex.world > 1 or not store.is_complete) else None
 
 
 def spread(store: ShardStore) -> bool:
