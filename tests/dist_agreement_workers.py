@@ -242,3 +242,33 @@ def variable_reads(rank: int, world: int) -> dict:
     reads["plus one"] = v + 1  # a torch op on the whole variable
     keys = sorted(v.state_dict())  # each rank its own shards: the whole lives on no rank's state dict
     return {"reads": {k: x.detach() for k, x in reads.items()}, "write": write, "keys": keys}
+
+
+def _refusal(build: Callable[[], Any]) -> tuple[str, str] | None:
+    try:
+        build()
+    except shardvar.ShardvarError as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def initial_values(rank: int, world: int) -> dict:
+    """``_weight`` / ``from_pretrained`` of the distributed modules: every rank keeps its owned rows of the
+    given table; a bad table on one rank, or a table on one rank only, is refused on every rank."""
+    table = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(5))
+    out: dict[str, Any] = {}
+    for cls in (DistributedEmbedding, DistributedEmbeddingBag):
+        for strategy in ("div", "mod"):
+            m = cls.from_pretrained(table, False, partitioner=3, partition_strategy=strategy, padding_idx=2, timeout=TIMEOUT)
+            ids = torch.arange(ROWS)
+            got = m(ids) if cls is DistributedEmbedding else m(ids.view(-1, 1))
+            out[cls.__name__, strategy] = (got.detach(), [p.requires_grad for p in m.parameters()])
+    frozen = DistributedEmbedding.from_pretrained(table, partitioner=2, timeout=TIMEOUT)  # freeze=True: the default
+    out["frozen"] = [p.requires_grad for p in frozen.parameters()]
+    wrong = table if rank == 0 else table[:, :3]
+    out["bad shape"] = _refusal(lambda: DistributedEmbedding(ROWS, DIM, 2, _weight=wrong, timeout=TIMEOUT))
+    alone = {"_weight": table} if rank == 1 else {}
+    out["one rank"] = _refusal(lambda: DistributedEmbeddingBag(ROWS, DIM, 2, timeout=TIMEOUT, **alone))
+    after = DistributedEmbedding.from_pretrained(table, partitioner=2, timeout=TIMEOUT)  # the ranks still pair up
+    out["after"] = after(torch.arange(ROWS)).detach()
+    return out

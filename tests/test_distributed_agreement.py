@@ -46,6 +46,7 @@ JOBS = {
 }
 CASES = [(*key, kind, bad) for key, (_, _, job) in JOBS.items() for kind in job["kinds"] for bad in (0, 1)]
 JOBS["variable reads"] = (2, "dist_agreement_workers:variable_reads", {})
+JOBS["initial values"] = (2, "dist_agreement_workers:initial_values", {})
 ERRORS = {  # kind -> (the local twin's error class, what its message says)
     "id out of range": ("ShardvarIndexError", r"ids must be in \[0, {rows}\); got {bad} at position 3"),
     "negative id": ("ShardvarIndexError", r"ids must be in \[0, {rows}\); got -2 at position 1"),
@@ -107,3 +108,21 @@ def test_a_distributed_variable_is_read_together_by_every_rank_also_one_that_hol
         for k, x in want.items():
             torch.testing.assert_close(r["reads"][k], x, atol=0, rtol=0, msg=k)
         assert r["write"] and "scatter_update needs every shard in this process" in r["write"], r["write"]
+
+
+def test_distributed_modules_keep_the_rows_they_are_given_and_refuse_a_bad_table_on_every_rank(results) -> None:
+    table = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(5))
+    for r in results("initial values"):
+        for key in [(m, s) for m in ("DistributedEmbedding", "DistributedEmbeddingBag") for s in ("div", "mod")]:
+            got, grads = r[key]
+            want = table.clone()
+            if key[0] == "DistributedEmbeddingBag":  # a bag of the padding id alone is empty: zeros
+                want[2] = 0
+            assert torch.equal(got, want), key  # from_pretrained's rows, the padding row's too (as nn.Embedding's)
+            assert grads and all(grads), key  # freeze=False
+        assert r["frozen"] and not any(r["frozen"])
+        name, message = r["bad shape"]
+        assert name == "ShardvarValueError" and "on rank 1, the initial values have shape [12, 3]" in message
+        name, message = r["one rank"]
+        assert name == "ShardvarDistributedError" and "rank 0" in message and "no initial values" in message
+        assert torch.equal(r["after"], table)

@@ -49,6 +49,8 @@ class _Distributed:
         **options: Any,
     ) -> None:
         # The options passed on by name (alike in shape to other pass-throughs, not a shared rule).
+        # ``_weight`` (from_pretrained): every rank keeps its owned shards' rows of it (a tiered twin refuses it).
+        weight = options.pop("_weight", None) if self.rows_in_ram else options.get("_weight")
         store = distributed_store(
             (num_embeddings, embedding_dim),
             partitioner,
@@ -60,10 +62,11 @@ class _Distributed:
             timeout=timeout,
             name="weight",
             held=self.rows_in_ram,
+            values=weight if self.rows_in_ram else None,
         )
         super().__init__(num_embeddings, embedding_dim, _store=store, **options)
         self.initializer = initializer or RowInitializer()  # the rows' values, drawn by id (a tiered twin's file)
-        if self.padding_idx is not None:  # as nn.Embedding initialises it; only its owner holds the row
+        if self.padding_idx is not None and weight is None:  # as nn.Embedding initialises it; only its owner holds it
             shard, row = self.layout.locate([self.padding_idx])
             local = self.store.local_shards()
             if int(shard) in local:

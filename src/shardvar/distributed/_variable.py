@@ -40,12 +40,33 @@ def _placement(placement: Sequence[int] | None, layout: Layout, world: int) -> t
     return ranks
 
 
-def _agree(comm: Comm, shape: torch.Size, dtype: torch.dtype, layout: Layout, placement: tuple, name: Any) -> None:
-    mine = (tuple(shape), str(dtype), layout, placement)
-    everyone = comm.all_gather_object(mine, "the variable's shape, dtype, layout and placement")
+def _values_problem(values: Any, shape: torch.Size) -> str | None:
+    """What is wrong with the initial ``values`` a rank was given (None: nothing, or none given)."""
+    if values is None:
+        return None
+    if not isinstance(values, torch.Tensor) or not values.is_floating_point():
+        got = f"{values.dtype} tensor" if isinstance(values, torch.Tensor) else type(values).__name__
+        return f"the initial values must be a floating point tensor; got {got}"
+    if values.shape != shape:
+        return f"the initial values have shape {list(values.shape)}; expected {list(shape)}"
+    return None
+
+
+def _agree(
+    comm: Comm, shape: torch.Size, dtype: torch.dtype, layout: Layout, placement: tuple, name: Any, values: Any
+) -> None:
+    problem = _values_problem(values, shape)
+    mine = (tuple(shape), str(dtype), layout, placement, values is not None, problem)
+    everyone = comm.all_gather_object(mine, "the variable's shape, dtype, layout, placement and initial values")
+    refused = [(r, o[5]) for r, o in enumerate(everyone) if o[5] is not None]
+    if refused:  # every rank raises it, so none goes on alone into the lookups' collectives
+        rank, why = refused[0]
+        raise ShardvarValueError(f"distributed variable {name or ''!s}: on rank {rank}, {why}")
     if any(other != mine for other in everyone):
         described = "; ".join(
-            f"rank {r}: shape {list(o[0])} {o[1]} {o[2]} placement {list(o[3])}" for r, o in enumerate(everyone)
+            f"rank {r}: shape {list(o[0])} {o[1]} {o[2]} placement {list(o[3])}"
+            + ("" if o[4] else ", no initial values")
+            for r, o in enumerate(everyone)
         )
         raise ShardvarDistributedError(f"ranks disagree about distributed variable {name or ''!s}: {described}")
 
@@ -63,8 +84,12 @@ def distributed_store(
     requires_grad: bool = True,
     name: str | None = None,
     held: bool = True,
+    values: torch.Tensor | None = None,
 ) -> ShardStore:
     """This rank's shards of a variable spread over ``group``, with the exchange for the rest. Collective.
+
+    ``values``: the whole logical variable (the same on every rank), whose owned shards this rank
+    keeps, in place of the ``initializer``'s rows (a module's ``_weight``, ``from_pretrained``).
 
     ``held=False``: no shard in RAM here (a tiered table's rank keeps its own in a file, and its
     exchange serves them from there); the store then holds the layout and the exchange only.
@@ -75,16 +100,17 @@ def distributed_store(
     if layout.axis != 0:
         raise ShardvarValueError(f"distributed variables are split by rows (axis 0); got {layout}")
     ranks = _placement(placement, layout, comm.world)
-    _agree(comm, shape, dtype, layout, ranks, name)
+    _agree(comm, shape, dtype, layout, ranks, name, values)
     init = initializer or RowInitializer()
     row_shape = tuple(shape[1:])
+    parts = None if values is None else layout.split(values.detach().to(dtype))
     store = ShardStore.allocate(
         layout,
         shape,
         dtype,
         devices=[comm.device] * layout.num_shards,
         owned=[s for s in range(layout.num_shards) if ranks[s] == comm.rank and held],
-        values=lambda s: init.rows(layout.shard_ids(s), row_shape, dtype),
+        values=lambda s: init.rows(layout.shard_ids(s), row_shape, dtype) if parts is None else parts[s],
         requires_grad=requires_grad,
     )
     return store.attach(exchange=Exchange(comm, ranks, requires_grad))
