@@ -7,12 +7,15 @@ below ``checkpoint``. ``RowFile`` holds every row with its optimizer state; ``Ro
 """
 
 from ._cache import POLICIES, CacheStats, RowCache
+from ._describe import BackingFileInfo, describe, is_backing_file
 from ._file import BackingFileError, RecordLayout, RowFile
 from ._prefetch import Prefetcher
-from ._storage import Tiered, TieredRows
+from ._shadow import loading
+from ._storage import Tiered, TieredRows, cache_bytes_for
 
 __all__ = [
     "BackingFileError",
+    "BackingFileInfo",
     "CacheStats",
     "POLICIES",
     "Prefetcher",
@@ -21,4 +24,8 @@ __all__ = [
     "RowFile",
     "Tiered",
     "TieredRows",
+    "cache_bytes_for",
+    "describe",
+    "is_backing_file",
+    "loading",
 ]
