@@ -52,7 +52,13 @@ class Shadow:
             raise BackingFileError(f"cannot create {str(self.path)!r} to load into: {e.strerror}") from None
         try:
             _lock(fd, self.path)
-            _reserve(fd, self.path, size)
+            try:
+                _reserve(fd, self.path, size)
+            except BackingFileError as e:
+                raise BackingFileError(
+                    f"a load into the tiered table of {str(file.path)!r} writes its rows into a new file beside it, "
+                    f"renamed over it once complete, so it needs room for a second copy: {e}"
+                ) from None
             self.file = RowFile(self.path, fd, file.layout, file.queue_depth)
             self.map, self.values, self.state = mapped(self.file)
         except BaseException:
