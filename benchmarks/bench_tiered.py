@@ -34,7 +34,7 @@ from _common import print_table, zipf_ids
 
 import shardvar
 from shardvar import optim
-from shardvar.tiered import Prefetcher
+from shardvar.tiered import Prefetcher, cache_bytes_for
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -65,11 +65,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 def _tables(args: argparse.Namespace, folder: Path) -> dict[str, torch.nn.Module]:
     torch.manual_seed(0)
     memory = shardvar.ShardedEmbeddingBag(args.rows, args.dim, mode="sum", sparse=True)
-    row = args.dim * 4 + 4  # a row and its row-wise Adagrad state
-    # --cache of the rows in slots, as before the read-ahead reserve came out of cache_bytes
-    ahead = shardvar.Tiered.read_ahead
-    cache_bytes = -(-int(args.rows * args.cache) * row // (1 - ahead)) + 8 * (args.dim + 2)
-    storage = shardvar.Tiered(folder / "table.rows", cache_bytes=int(cache_bytes))
+    # --cache of the rows in slots (with row-wise Adagrad's state), besides the read-ahead reserve and the
+    # staging area that also come out of cache_bytes
+    slots = max(1, int(args.rows * args.cache))
+    cache_bytes = cache_bytes_for(slots, args.dim, rows=args.rows, state_width=1)
+    storage = shardvar.Tiered(folder / "table.rows", cache_bytes=cache_bytes)
     torch.manual_seed(0)
     tiered = shardvar.ShardedEmbeddingBag(args.rows, args.dim, mode="sum", sparse=True, storage=storage)
     for m in (memory, tiered):

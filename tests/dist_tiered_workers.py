@@ -13,16 +13,16 @@ import torch
 import shardvar
 from shardvar import optim
 from shardvar.distributed import DistributedEmbedding, DistributedEmbeddingBag, DistributedEmbeddingBagCollection
-from shardvar.tiered import BackingFileError
+from shardvar.tiered import BackingFileError, cache_bytes_for
 from shardvar.variables import RowInitializer
 
 ROWS, DIM, SHARDS = 30, 4, 4
-RECORD = DIM * 4 + 4  # one row and its RowWiseAdagrad sum
 
 
 def storage(path: Path, name: str, rows: int = 4) -> shardvar.Tiered:
     """A cache of ``rows`` of a rank's 15 (at most 4 asked of an owner per step: rows leave it every step)."""
-    return shardvar.Tiered(path / name, cache_bytes=rows * RECORD, read_ahead=0.0)
+    cache = cache_bytes_for(rows, DIM, rows=ROWS // 2, state_width=1, read_ahead=0.0)  # RowWiseAdagrad's one sum
+    return shardvar.Tiered(path / name, cache_bytes=cache, read_ahead=0.0)
 
 
 def make(cls, path: Path | None, name: str = "t.rows", rows: int = 4, **kw):

@@ -14,6 +14,7 @@ import shardvar
 from dist_tiered_workers import DIM, ROWS, SHARDS
 from distributed import run_ranks
 from shardvar import optim
+from shardvar.tiered import cache_bytes_for
 
 LAYOUT = shardvar.Layout.balanced("mod", ROWS, SHARDS)
 
@@ -154,7 +155,8 @@ def one_rank():
 
 @pytest.mark.parametrize("cls", [shardvar.DistributedEmbedding, shardvar.distributed.DistributedEmbeddingBag])
 def test_one_rank_holding_every_shard_still_serves_them_from_its_file(tmp_path, one_rank, cls):
-    storage = shardvar.Tiered(tmp_path / "t.rows", cache_bytes=5 * (DIM * 4 + 4), read_ahead=0.0)
+    cache = cache_bytes_for(5, DIM, rows=ROWS, state_width=1, read_ahead=0.0)  # RowWiseAdagrad: one sum a row
+    storage = shardvar.Tiered(tmp_path / "t.rows", cache_bytes=cache, read_ahead=0.0)
     ref, tiered = (cls(ROWS, DIM, 3, sparse=True, storage=s) for s in (None, storage))
     for m in (ref, tiered):
         optim.fuse(optim.RowWiseAdagrad(m, lr=0.1))
@@ -173,7 +175,8 @@ def test_one_rank_holding_every_shard_still_serves_them_from_its_file(tmp_path, 
 
 def test_one_rank_sequence_collection_with_a_tiered_table_trains_as_in_ram(tmp_path, one_rank):
     def tables(tiered: bool) -> dict:
-        storage = {"storage": shardvar.Tiered(tmp_path / "big.rows", cache_bytes=100, read_ahead=0.0)} if tiered else {}
+        cache = cache_bytes_for(4, DIM, rows=ROWS, state_width=1, read_ahead=0.0)  # a batch: 4 ids
+        storage = {"storage": shardvar.Tiered(tmp_path / "big.rows", cache_bytes=cache, read_ahead=0.0)} if tiered else {}
         return {"big": shardvar.TableConfig(ROWS, DIM, 3, "mod", **storage), "small": shardvar.TableConfig(10, DIM)}
 
     cls = shardvar.distributed.DistributedEmbeddingCollection

@@ -8,6 +8,7 @@ with caches of a few rows (eviction and write-back on every step), both policies
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import torch
 
 import shardvar
 from shardvar import ShardvarTypeError, ShardvarValueError, optim
-from shardvar.tiered import BackingFileError, Prefetcher
+from shardvar.tiered import BackingFileError, Prefetcher, cache_bytes_for
 
 ROWS, DIM = 60, 4
 OPTIMIZERS = {
@@ -30,9 +31,8 @@ OPTIMIZERS = {
 
 
 def _tiered(tmp_path, cache_rows: int, policy: str = "lru", name: str = "t.rows", state: int = 1, read_ahead=0.0):
-    """About ``cache_rows`` slots (exactly, without read-ahead), and ``read_ahead`` of the bytes besides."""
-    row = DIM * 4 + 4 * state
-    cache_bytes = int(cache_rows * row / (1 - read_ahead))
+    """``cache_rows`` slots, with ``read_ahead`` of the bytes and the staging area besides."""
+    cache_bytes = cache_bytes_for(cache_rows, DIM, rows=ROWS, state_width=state, read_ahead=read_ahead)
     return shardvar.Tiered(tmp_path / name, cache_bytes=cache_bytes, policy=policy, read_ahead=read_ahead)
 
 
@@ -149,15 +149,27 @@ def test_table_sized_views_are_refused(tmp_path):
     assert list(tiered.state_dict()) == list(ref.state_dict()) == ["weight"]
 
 
-def test_a_cache_smaller_than_a_batch_says_how_much_is_needed_and_changes_nothing(tmp_path):
-    _, tiered = _pair(shardvar.ShardedEmbedding, tmp_path, cache_rows=4)
+@pytest.mark.parametrize("read_ahead", [0.0, 0.125, 0.5])
+@pytest.mark.parametrize("distinct", [6, 20])
+def test_a_cache_smaller_than_a_batch_says_how_much_is_needed_and_changes_nothing(tmp_path, read_ahead, distinct):
+    _, tiered = _pair(shardvar.ShardedEmbedding, tmp_path, cache_rows=4, read_ahead=read_ahead)
     optim.fuse(optim.RowWiseAdagrad(tiered, lr=0.1))
     tiered(torch.tensor([1, 2])).sum().backward()
     before, stats = tiered.tier.peek(torch.arange(ROWS)), tiered.cache_stats()
-    with pytest.raises(ShardvarValueError, match=r"needs 6 distinct rows.*at least 6 rows \(120 bytes"):
-        tiered(torch.tensor([0, 1, 2, 3, 4, 5]))
+    batch = torch.arange(distinct).repeat(2)
+    with pytest.raises(ShardvarValueError, match=rf"needs {distinct} distinct rows.*at least {distinct} rows") as e:
+        tiered(batch)
     assert tiered.cache_stats() == stats
     assert all(torch.equal(a, b) for a, b in zip(tiered.tier.peek(torch.arange(ROWS)), before, strict=True))
+    needed = int(re.search(r"cache_bytes=(\d+)", str(e.value)).group(1))  # the figure it gives is enough, and least
+    for cache_bytes, fits in ((needed, True), (needed - 1, False)):
+        storage = shardvar.Tiered(tmp_path / f"{cache_bytes}.rows", cache_bytes=cache_bytes, read_ahead=read_ahead)
+        table = shardvar.ShardedEmbedding(ROWS, DIM, sparse=True, storage=storage)
+        optim.fuse(optim.RowWiseAdagrad(table, lr=0.1))
+        assert (table.cache_stats()["capacity_rows"] >= distinct) == fits
+        if fits:
+            table(batch).sum().backward()
+        table.close()
 
 
 def test_rows_of_a_pending_backward_stay_in_the_cache(tmp_path):
@@ -258,7 +270,7 @@ def test_cache_stats_count_reads_and_writes(tmp_path):
     stats = tiered.cache_stats()
     assert (stats["hits"], stats["misses"], stats["evictions"], stats["written_back"]) == (1, 5, 1, 1)
     assert stats["hit_rate"] == pytest.approx(1 / 6)
-    assert stats["capacity_rows"] == 4 and stats["cache_bytes"] == 4 * (DIM * 4 + 4)
+    assert stats["capacity_rows"] == 4 and stats["cache_bytes"] == 4 * (DIM * 4 + 4) + record  # and one staged record
     assert stats["bytes_read"] - base["bytes_read"] == 5 * record
     assert stats["bytes_written"] - base["bytes_written"] == record
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .. import tiered
 from .._errors import CheckpointError, CheckpointIOError, ShardvarError
 from .._validate import check_int
 from ..layout import Layout
@@ -237,24 +238,30 @@ def load(
     directory = Path(path)
     coordinator = coordinator or Coordinator()
     error, targets, staged, plans, state, chain = None, [], {}, {}, State(), Chain()
-    try:
+    # a tiered table's rows are written into a new file, which replaces its backing file only once
+    # every window is written (``shardvar.tiered.loading``): a failure leaves the table as it was
+    with tiered.loading() as tiers:
         try:
-            check_int(staging_bytes, "staging_bytes", minimum=0)
-            state = resolve(state_dict)
-            chain = Chain.open(directory)  # every link locked shared, and verified against the next
-            targets, plans = _plan_load(chain, state, partial_ok=coordinator.world > 1)
-            staged = _stage(targets, staging_bytes, progress)
-        except Exception as e:
-            error = _as_checkpoint_error(e, directory)
-        agree(coordinator, error)  # every process checked its part: write only if all can
-        try:
-            _write_targets(targets, staged, progress)
-        except BaseException:
-            # written in part (an I/O error after every check passed): what holds copies of the
-            # targets (a tiered table's cache, a dynamic table's index) must follow what was written
-            notify(state_dict, "after_load")
-            raise
-    finally:
-        chain.close()
+            try:
+                check_int(staging_bytes, "staging_bytes", minimum=0)
+                state = resolve(state_dict)
+                chain = Chain.open(directory)  # every link locked shared, and verified against the next
+                targets, plans = _plan_load(chain, state, partial_ok=coordinator.world > 1)
+                staged = _stage(targets, staging_bytes, progress)
+                tiers.prepare()  # the tiers' new files hold their rows as they are now
+            except Exception as e:
+                error = _as_checkpoint_error(e, directory)
+            agree(coordinator, error)  # every process checked its part: write only if all can
+            try:
+                _write_targets(targets, staged, progress)
+                tiers.commit()
+            except BaseException:
+                # written in part (an I/O error after every check passed): what holds copies of the
+                # targets (a dynamic table's index) must follow what was written; a tiered table's
+                # file was not written (its new file is dropped), so its cache stays
+                notify(state_dict, "after_load")
+                raise
+        finally:
+            chain.close()
     _apply_optimizers(state, plans, targets, staged)
     notify(state_dict, "after_load")

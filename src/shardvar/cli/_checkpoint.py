@@ -1,4 +1,4 @@
-"""``shardvar inspect``, ``shardvar reshard`` and ``shardvar compact``."""
+"""``shardvar inspect`` (a checkpoint, or a tiered backing file), ``shardvar reshard`` and ``shardvar compact``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 from .._errors import ShardvarError
 from ..checkpoint import Chain, Manifest, VariableEntry, compact, packed_format, reshard
 from ..layout import STRATEGIES
+from ..tiered import describe, is_backing_file
 from ._args import input_path, integer, output_dir
 from ._console import byte_progress, format_bytes, format_sizes, print_table
 
@@ -19,6 +20,8 @@ def printable(text: str) -> str:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    if is_backing_file(args.path):  # a tiered table's rows, not a checkpoint: say what it is
+        return _run_backing_inspect(args)
     try:
         manifest = Manifest.read(args.path)
     except ShardvarError as e:
@@ -45,6 +48,35 @@ def run_inspect(args: argparse.Namespace) -> int:
     print(f"\n{len(rows)} variables, {format_bytes(total)} in {len(manifest.files())} file(s)")
     if "delta" in manifest.extra:
         _print_chain(args.path)
+    return 0
+
+
+def _run_backing_inspect(args: argparse.Namespace) -> int:
+    """A tiered table's backing file: its layout (rows, dim, dtype, the optimizer state each record
+    carries), its size, and whether it was closed cleanly, is in use, or is a partial file a rewrite
+    left. It is a working store, not a checkpoint; live cache statistics belong to the running table
+    (``table.cache_stats()``, ``benchmarks/bench_tiered.py``)."""
+    try:
+        info = describe(args.path)
+    except ShardvarError as e:
+        raise SystemExit(f"shardvar inspect: {e}") from None
+    layout = info.layout
+    state = (
+        f"{layout.state_width} float32 per row, at byte {layout.state_offset} of each record "
+        "(the optimizer's slots: row-wise Adagrad 1, Adam 2 x dim)"
+        if layout.state_width
+        else "none (no optimizer has added its state)"
+    )
+    rows = [
+        ["rows", f"{layout.rows:,}"],
+        ["dim", layout.dim],
+        ["dtype", layout.dtype],
+        ["record", f"{layout.record_bytes} bytes: {layout.row_bytes} of values, then the state"],
+        ["state", state],
+        ["size", f"{format_bytes(info.size)} ({info.size:,} bytes; header 4 KiB)"],
+        ["status", info.status],
+    ]
+    print_table(["field", "value"], rows, title=f"backing file {printable(str(info.path))} (a tiered table's rows)")
     return 0
 
 
@@ -114,7 +146,7 @@ def run_compact(args: argparse.Namespace) -> int:
 
 
 def add_checkpoint_parsers(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("inspect", help="list the variables of a checkpoint")
+    p = sub.add_parser("inspect", help="list the variables of a checkpoint (or describe a tiered backing file)")
     p.add_argument("path", type=input_path)
     p.set_defaults(func=run_inspect)
     p = sub.add_parser("reshard", help="rewrite a checkpoint into another layout")

@@ -7,13 +7,16 @@ below ``checkpoint``. ``RowFile`` holds every row with its optimizer state; ``Ro
 """
 
 from ._cache import POLICIES, CacheStats, RowCache
+from ._describe import BackingFileInfo, describe, is_backing_file
 from ._file import BackingFileError, RecordLayout, RowFile
 from ._prefetch import Prefetcher
+from ._shadow import loading
 from ._shards import ShardRows
-from ._storage import Tiered, TieredRows
+from ._storage import Tiered, TieredRows, cache_bytes_for
 
 __all__ = [
     "BackingFileError",
+    "BackingFileInfo",
     "CacheStats",
     "POLICIES",
     "Prefetcher",
@@ -23,4 +26,8 @@ __all__ = [
     "ShardRows",
     "Tiered",
     "TieredRows",
+    "cache_bytes_for",
+    "describe",
+    "is_backing_file",
+    "loading",
 ]

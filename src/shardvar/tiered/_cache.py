@@ -8,7 +8,10 @@ over ids); which rows leave when room is needed is an LRU or LFU policy, ties to
 
 ``resolve`` brings a batch's distinct ids in: hits are marked used first, so they are never the
 ones evicted for the batch's misses; victims that changed are written back before their slots
-are reused; the misses are read from the file in one concurrent read. Rows used at or after
+are reused; the misses are read from the file in concurrent reads. Every record on its way
+between the file and the slots passes through one fixed staging area of ``staging`` records
+(allocated once, counted in ``nbytes``): a batch's misses and write-backs are moved a staging
+area at a time, so no buffer of a batch's size is ever allocated besides the slots. Rows used at or after
 ``protect_since`` are never evicted, so a batch computing while the next one is being resolved
 keeps its rows (see ``Prefetcher``). Everything is checked before anything moves: a batch whose
 distinct rows do not fit raises and leaves the cache as it was.
@@ -17,6 +20,7 @@ distinct rows do not fit raises and leaves the cache as it was.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,9 +30,10 @@ from .._validate import check_choice, check_int
 from ..dynamic import HashIndex, mix64
 from ._file import RowFile
 
-__all__ = ["RowCache", "CacheStats", "POLICIES"]
+__all__ = ["RowCache", "CacheStats", "POLICIES", "STAGING_ROWS"]
 
 POLICIES = ("lru", "lfu")
+STAGING_ROWS = 4096  # the most records the staging area holds (fewer for a small cache)
 
 
 @dataclass
@@ -54,24 +59,35 @@ class _Staged:
         self.ids, self.records = ids, None
         self.written: list[torch.Tensor] = []
 
-    def take(self, ids: torch.Tensor, wanted: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Copy the current staged records of the ``wanted`` ids into ``out``; which ones it copied."""
+    def current(self, ids: torch.Tensor, wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(which ``wanted`` ids have a current staged record, the position of each id's record)."""
         if self.records is None or self.ids.numel() == 0:  # still being read: not ours to wait for
-            return torch.zeros_like(wanted)
+            return torch.zeros_like(wanted), torch.zeros_like(ids)
         pos = torch.searchsorted(self.ids, ids).clamp_(max=self.ids.numel() - 1)
         use = wanted & (self.ids[pos] == ids)
         if self.written:
             use &= ~torch.isin(ids, torch.cat(self.written))
-        out[use] = self.records[pos[use]]
-        return use
+        return use, pos
+
+
+def _select(records: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+    torch.index_select(records, 0, rows, out=out)  # into the staging area: no buffer of its own
 
 
 class RowCache:
     """``capacity`` rows of ``file`` in RAM (see the module docstring)."""
 
-    def __init__(self, file: RowFile, capacity: int, policy: str = "lru", reserve: int | None = None) -> None:
+    def __init__(
+        self, file: RowFile, capacity: int, policy: str = "lru", reserve: int | None = None, staging: int | None = None
+    ) -> None:
         layout = file.layout
         self.capacity = check_int(capacity, "cache capacity (rows)", minimum=1)
+        # The records in transit between the file and the slots (misses read, rows written back),
+        # allocated once: ``nbytes`` counts them, so a batch allocates no rows of its own.
+        staging = min(capacity, STAGING_ROWS) if staging is None else check_int(staging, "staging (rows)", minimum=1)
+        self.staging = torch.zeros((staging, layout.record_bytes), dtype=torch.uint8)
+        # cache_bytes whose slots hold ``rows`` (set by the table, which knows its read-ahead share)
+        self.bytes_for: Callable[[int], int] | None = None
         # Records read ahead (``stage``) held at once, all staged sets together: the table's budget
         # counts them (``nbytes``). None: no bound (a cache used on its own, outside a table).
         self.reserve = None if reserve is None else check_int(reserve, "read-ahead reserve (rows)", minimum=0)
@@ -95,9 +111,16 @@ class RowCache:
 
     @property
     def nbytes(self) -> int:
-        """RAM held for rows and state, slots and read-ahead reserve (the figure ``cache_bytes`` bounds)."""
+        """RAM held for rows and state: slots, read-ahead reserve and staging (the figure ``cache_bytes`` bounds)."""
         slots = self.capacity * (self.values[:1].nbytes + self.state[:1].nbytes)
-        return slots + (self.reserve or 0) * self.layout.record_bytes
+        return slots + (self.reserve or 0) * self.layout.record_bytes + self.staging.nbytes
+
+    @property
+    def held_bytes(self) -> int:
+        """RAM holding rows and state now: slots, staging, and the records read ahead and not yet taken."""
+        slots = self.capacity * (self.values[:1].nbytes + self.state[:1].nbytes)
+        staged = sum(s.records.nbytes for s in self._staged if s.records is not None)
+        return slots + self.staging.nbytes + staged
 
     @property
     def staged_rows(self) -> int:
@@ -134,10 +157,13 @@ class RowCache:
         kept[slot[hit]] = True
         if short > 0 and short > int((~kept & (self.key >= 0)).sum()):
             needed = distinct.numel() + int(((self.used >= protect_since) & (self.key >= 0)).sum())
+            per_row = self.values[:1].nbytes + self.state[:1].nbytes
+            besides = self.nbytes - self.capacity * per_row  # the read-ahead reserve and the staging area
+            budget = self.bytes_for(needed) if self.bytes_for else needed * per_row + besides
             raise ShardvarValueError(
                 f"the row cache holds {self.capacity} rows; this batch needs {distinct.numel()} distinct rows "
                 f"and {needed - distinct.numel()} more are held for a batch in flight: give it at least "
-                f"{needed} rows ({needed * (self.values[:1].nbytes + self.state[:1].nbytes)} bytes of cache_bytes)"
+                f"{needed} rows (cache_bytes={budget}, with its read-ahead and staging records)"
             )
         self.step = step  # checked: from here on the cache changes
         self.used[slot[hit]] = step
@@ -150,7 +176,7 @@ class RowCache:
             self._evict(candidates[self._lowest(candidates, short)])
             free = (self.key < 0).nonzero().squeeze(1)
         new_ids, new_slots = distinct[missing], free[: missing.numel()]
-        self._fill(new_slots, new_ids, self._records(new_ids))
+        self._bring(new_slots, new_ids)
         self.index.insert(new_ids, home[missing], new_slots)
         slot[missing] = new_slots
         self.stats.misses += missing.numel()
@@ -166,10 +192,16 @@ class RowCache:
             order = torch.sort(used, stable=True).indices
         return order[:k]
 
-    def _fill(self, slots: torch.Tensor, ids: torch.Tensor, records: torch.Tensor) -> None:
-        values, state = self.layout.split(records)
-        self.values[slots] = values
-        self.state[slots] = state
+    def _bring(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
+        """Fill ``slots`` with the records of missing ``ids`` (ascending): read ahead where current, else read now."""
+        todo = torch.ones(ids.numel(), dtype=torch.bool)
+        for staged in reversed(self._staged):  # the latest read first
+            use, pos = staged.current(ids, todo)
+            self._through_staging(slots[use], lambda a, b, out, p=pos[use], s=staged: _select(s.records, p[a:b], out))
+            todo &= ~use
+        rest = todo.nonzero().squeeze(1)
+        self._through_staging(slots[rest], lambda a, b, out, i=ids[rest]: self.file.read_into(i[a:b], out))
+        self.stats.prefetched += ids.numel() - rest.numel()
         self.key[slots] = ids
         self.used[slots] = self.step
         self.count[slots] = 1
@@ -186,10 +218,27 @@ class RowCache:
             held = (self.key >= 0).nonzero().squeeze(1)
             self.index.rebuild(self.key[held], self._home(self.key[held]), held)
 
+    def _through_staging(self, slots: torch.Tensor, fill: Callable[[int, int, torch.Tensor], None]) -> None:
+        """Fill ``slots``: ``fill(a, b, out)`` puts records ``[a, b)`` in the staging area, then into ``slots[a:b]``."""
+        for a in range(0, slots.numel(), self.staging.shape[0]):
+            b = min(slots.numel(), a + self.staging.shape[0])
+            records = self.staging[: b - a]
+            fill(a, b, records)
+            values, state = self.layout.split(records)
+            self.values.index_copy_(0, slots[a:b], values)
+            self.state.index_copy_(0, slots[a:b], state)
+
     def _write_back(self, slots: torch.Tensor) -> None:
         if slots.numel():
-            ids = self.key[slots]
-            self.file.write(ids, self.layout.join(self.values[slots], self.state[slots]))
+            ids, order = torch.sort(self.key[slots])
+            slots = slots[order]
+            for a in range(0, slots.numel(), self.staging.shape[0]):  # through the staging area, in id order
+                b = min(slots.numel(), a + self.staging.shape[0])
+                records = self.staging[: b - a]
+                values, state = self.layout.split(records)
+                torch.index_select(self.values, 0, slots[a:b], out=values)
+                torch.index_select(self.state, 0, slots[a:b], out=state)
+                self.file.write_from(ids[a:b], records)
             self.dirty[slots] = False
             for staged in self._staged:
                 staged.written.append(ids)
@@ -217,17 +266,6 @@ class RowCache:
         if staged.ids.numel():
             staged.records = self.file.read(staged.ids)
         return staged.ids.numel()
-
-    def _records(self, ids: torch.Tensor) -> torch.Tensor:
-        """Records of missing ``ids``: staged ones still current, the rest read from the file now."""
-        out = torch.empty((ids.numel(), self.layout.record_bytes), dtype=torch.uint8)
-        todo = torch.ones(ids.numel(), dtype=torch.bool)
-        for staged in reversed(self._staged):  # the latest read first
-            todo &= ~staged.take(ids, todo, out)
-        if bool(todo.any()):
-            out[todo] = self.file.read(ids[todo])
-        self.stats.prefetched += ids.numel() - int(todo.sum())
-        return out
 
     def mark_dirty(self, slots: torch.Tensor) -> None:
         """The rows (and state) at ``slots`` were changed in place: write them back before evicting."""

@@ -219,6 +219,19 @@ class RowFile:
         self._transfer(raw[order], data[order] if raw.size > 1 else data, os.pwritev)
         self.bytes_written += records.numel()
 
+    def read_into(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Read the records of ascending, distinct ``ids`` into ``out`` (contiguous ``[len(ids), record_bytes]``
+        uint8, e.g. a cache's staging area): no buffer of its own."""
+        raw = self._check_ids(ids)
+        self._transfer(raw, out.numpy(), os.preadv)
+        self.bytes_read += out.numel()
+
+    def write_from(self, ids: torch.Tensor, records: torch.Tensor) -> None:
+        """Write ``records`` (contiguous, one per id) as the records of ascending, distinct ``ids``; no copy."""
+        raw = self._check_ids(ids)
+        self._transfer(raw, records.numpy(), os.pwritev)
+        self.bytes_written += records.numel()
+
     def _transfer(self, ids: np.ndarray, buffer: np.ndarray, call: Callable) -> None:
         """Move whole records between ``buffer`` (one row per id, ascending ids) and the file."""
         runs = _runs(ids)
@@ -288,9 +301,11 @@ def _read_header(fd: int, path: Path) -> tuple[RecordLayout, bool]:
     try:
         meta = json.loads(raw[len(MAGIC) :].decode())
         layout = RecordLayout(int(meta["rows"]), int(meta["dim"]), str(meta["dtype"]), int(meta["state_width"]))
-        ok = layout.record_bytes == meta["record_bytes"] and isinstance(getattr(torch, layout.dtype), torch.dtype)
-    except (ValueError, KeyError, TypeError, AttributeError):
+        ok = isinstance(getattr(torch, layout.dtype), torch.dtype) and isinstance(meta["clean"], bool)
+        ok = ok and layout.rows >= 0 and layout.dim >= 1 and layout.state_width >= 0
+        ok = ok and layout.record_bytes == meta["record_bytes"]
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError):
         ok = False
     if not ok:
         raise BackingFileError(f"backing file {str(path)!r} has a damaged header")
-    return layout, bool(meta["clean"])
+    return layout, meta["clean"]

@@ -24,13 +24,15 @@ import torch
 from .._errors import ShardvarTypeError, ShardvarValueError
 from .._validate import check_choice, check_int, check_number
 from ..variables import TierSink
-from ._cache import POLICIES, RowCache
+from ._cache import POLICIES, STAGING_ROWS, RowCache
 from ._file import BackingFileError, RecordLayout, RowFile
+from ._shadow import active_load
 from ._views import mapped, sharded_view
 
-__all__ = ["Tiered", "TieredRows"]
+__all__ = ["Tiered", "TieredRows", "cache_bytes_for"]
 
 CHUNK_ROWS = 1 << 14  # rows streamed at once when a file is filled or widened
+STAGING_SHARE = 16  # the staging area's share of cache_bytes: 1/16 (at most STAGING_ROWS records)
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ class Tiered:
     def open(self, rows: int, dim: int, dtype: torch.dtype, blocks: Iterator[torch.Tensor]) -> TieredRows:
         """A new backing file of ``rows`` x ``dim`` filled from ``blocks``, and its cache."""
         layout = RecordLayout(rows, dim, str(dtype).removeprefix("torch."), 0)
-        capacity, reserve = _capacity(self.cache_bytes, self.read_ahead, layout)
+        budget = _capacity(self.cache_bytes, self.read_ahead, layout)
         path = Path(self.path)
         if path.exists():
             _refuse_existing(path)
@@ -100,20 +102,68 @@ class Tiered:
             queue_depth=self.queue_depth,
             progress=_counter(self.progress, rows),
         )
-        return TieredRows(self, file, RowCache(file, capacity, self.policy, reserve))
+        return TieredRows(self, file, self.cache_of(file, budget))
+
+    def cache_of(self, file: RowFile, budget: tuple[int, int, int]) -> RowCache:
+        """The cache over ``file`` of ``budget`` (slots, read-ahead records, staging records)."""
+        cache = RowCache(file, budget[0], self.policy, budget[1], budget[2])
+        cache.bytes_for = lambda rows: _bytes_for(rows, self.read_ahead, file.layout)
+        return cache
 
 
-def _capacity(cache_bytes: int, read_ahead: float, layout: RecordLayout) -> tuple[int, int]:
-    """(slots, read-ahead records) within ``cache_bytes``: ``read_ahead`` of it for records read ahead."""
+def cache_bytes_for(
+    slots: int,
+    dim: int,
+    *,
+    rows: int | None = None,
+    state_width: int = 0,
+    dtype: torch.dtype = torch.float32,
+    read_ahead: float = 0.125,
+) -> int:
+    """The least ``cache_bytes`` giving ``slots`` rows in the cache of a ``rows`` x ``dim`` table whose optimizer
+    keeps ``state_width`` float32 per row (row-wise Adagrad: 1; Adam: ``2 * dim``), besides its read-ahead
+    reserve (``read_ahead``) and its staging area."""
+    check_int(slots, "slots", minimum=1)
+    check_int(dim, "dim", minimum=1)
+    table_rows = slots if rows is None else check_int(rows, "rows", minimum=1)
+    layout = RecordLayout(table_rows, dim, str(dtype).removeprefix("torch."), check_int(state_width, "state_width"))
+    return _bytes_for(slots, check_number(read_ahead, "read_ahead", minimum=0.0), layout)
+
+
+def _split(cache_bytes: int, read_ahead: float, layout: RecordLayout) -> tuple[int, int, int]:
+    """(slots, read-ahead records, staging records) of ``cache_bytes``, slots possibly 0."""
     per_row = layout.row_bytes + 4 * layout.state_width
     reserve = min(int(cache_bytes * read_ahead) // layout.record_bytes, max(layout.rows, 1))
-    slots = cache_bytes - reserve * layout.record_bytes
-    if slots < per_row:
+    # the staging area every record read or written passes through: 1/16 of the budget, 1 to STAGING_ROWS
+    staging = max(1, min(STAGING_ROWS, cache_bytes // STAGING_SHARE // layout.record_bytes, layout.rows))
+    slots = max(0, cache_bytes - (reserve + staging) * layout.record_bytes) // per_row
+    return min(slots, max(layout.rows, 1)), reserve, staging
+
+
+def _capacity(cache_bytes: int, read_ahead: float, layout: RecordLayout) -> tuple[int, int, int]:
+    """(slots, read-ahead records, staging records) within ``cache_bytes``; refused if no slot is left."""
+    budget = _split(cache_bytes, read_ahead, layout)
+    if budget[0] < 1:
         raise ShardvarValueError(
-            f"cache_bytes={cache_bytes} holds no row: one row and its state take {per_row} bytes"
-            + (f" besides the read-ahead reserve ({read_ahead} of it)" if reserve else "")
+            f"cache_bytes={cache_bytes} holds no row: one row and its state take "
+            f"{layout.row_bytes + 4 * layout.state_width} bytes, besides the staging area ({budget[2]} record(s) of "
+            f"{layout.record_bytes} bytes)" + (f" and the read-ahead reserve ({read_ahead} of it)" if budget[1] else "")
+            + f"; give it at least {_bytes_for(1, read_ahead, layout)}"
         )
-    return min(slots // per_row, max(layout.rows, 1)), reserve
+    return budget
+
+
+def _bytes_for(rows: int, read_ahead: float, layout: RecordLayout) -> int:
+    """The least ``cache_bytes`` (found by doubling, then bisection) whose slots hold ``rows`` rows."""
+    rows = min(rows, max(layout.rows, 1))
+    high = max(rows * (layout.row_bytes + 4 * layout.state_width), 1)
+    while _split(high, read_ahead, layout)[0] < rows:
+        high *= 2
+    low = high // 2
+    while low + 1 < high:  # the slots grow with cache_bytes but for one reserve or staging record: bisect
+        mid = (low + high) // 2
+        low, high = (low, mid) if _split(mid, read_ahead, layout)[0] >= rows else (mid, high)
+    return high
 
 
 def _counter(progress: Callable[[int, int], None] | None, rows: int) -> Callable[[int], None] | None:
@@ -214,7 +264,7 @@ class TieredRows:
             raise ShardvarValueError("cannot add optimizer state to a tiered table while a backward is pending")
         old = self.file.layout
         layout = RecordLayout(old.rows, old.dim, old.dtype, old.state_width + width)
-        capacity, reserve = _capacity(self.spec.cache_bytes, self.spec.read_ahead, layout)  # checked first
+        budget = _capacity(self.spec.cache_bytes, self.spec.read_ahead, layout)  # checked first
         self.cache.flush()
         path = self.file.path
         wider = path.with_name(path.name + ".widening")
@@ -232,15 +282,32 @@ class TieredRows:
             queue_depth=self.spec.queue_depth,
             progress=_counter(self.spec.progress, old.rows),
         )
-        self._closer.detach()
-        self.file.close()
         os.replace(wider, path)
         new.path = path
+        self._switch(new, budget)
+        self._columns[name] = (old.state_width, width)
+
+    def _budget(self) -> tuple[int, int, int]:
+        cache = self.cache
+        return cache.capacity, cache.reserve or 0, cache.staging.shape[0]
+
+    def _switch(self, new: RowFile, budget: tuple[int, int, int]) -> None:
+        """Make ``new`` (already at the backing file's path) the table's file, with an empty cache."""
+        self._closer.detach()
+        self.file.close()  # the old file, replaced at its path: its rows are not read again
         stats = self.cache.stats
-        self.file, self.cache = new, RowCache(new, capacity, self.spec.policy, reserve)
+        self.file, self.cache = new, self.spec.cache_of(new, budget)
         self.cache.stats = stats
         self._closer = weakref.finalize(self, _close, self.cache, new)
-        self._columns[name] = (old.state_width, width)
+
+    def adopt(self, new: RowFile, mapping: tuple) -> None:
+        """A load's shadow, renamed over the backing file, becomes the table's file (``_shadow``)."""
+        self._switch(new, self._budget())
+        self._map = mapping
+
+    def pending_backward(self) -> bool:
+        with self._lock:
+            return bool(self._in_flight)
 
     def sharded(
         self, layout: Any, slot: str | None = None, row_wise: bool = False, owned: tuple[int, ...] | None = None
@@ -248,9 +315,7 @@ class TieredRows:
         """The rows (``slot`` None) or the state slot ``slot`` as a ShardsView in ``layout`` over the file
         (every changed row written back first); ``owned``: the file holds those shards only, back to back."""
         self.cache.flush()
-        if self._map is None or self._map[0] is not self.file:
-            self._map = (self.file, *mapped(self.file))
-        _, _, values, state = self._map
+        values, state = self._records()
         rows = layout.num_rows
         column = values
         if slot is not None:
@@ -258,12 +323,27 @@ class TieredRows:
             column = state[:, first] if row_wise else state[:, first : first + width]
         return sharded_view(layout, (rows, *column.shape[1:]), column, owned)
 
+    def _records(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values, state) views of every record: of a shadow file while a load runs (it writes there)."""
+        load = active_load()
+        if load is not None:
+            shadow = load.shadow_of(self)
+            return shadow.values, shadow.state
+        if self._map is None or self._map[0] is not self.file:
+            self._map = (self.file, *mapped(self.file))
+        return self._map[2], self._map[3]
+
     def reload(self) -> None:
         """Forget every cached row without writing it back: the file was just written (a checkpoint loaded)."""
+        load = active_load()
+        if load is not None and load.holds(self):  # the load wrote into its shadow only: the file is unchanged
+            return
         if self._in_flight:
             raise ShardvarValueError("cannot load a tiered table while a backward of its lookups is pending")
+        if not bool((self.cache.key >= 0).any()) and not self.cache.staged_rows:
+            return  # nothing held to forget (a committed load switched to its new file with an empty cache)
         stats = self.cache.stats
-        self.cache = RowCache(self.file, self.cache.capacity, self.spec.policy, self.cache.reserve)
+        self.cache = self.spec.cache_of(self.file, self._budget())
         self.cache.stats = stats
         self._closer.detach()
         self._closer = weakref.finalize(self, _close, self.cache, self.file)
