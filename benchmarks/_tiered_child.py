@@ -179,7 +179,7 @@ def memory(folder: Path, args: dict) -> dict:
         w = warmup(args, d)
         _step(table, batches[: min(w, 2)], False)
         out[d] = statistics.median(_step(table, batches[part], False) for _, part in chunks(args, w))
-    return {"step_s": out}
+    return {"step_s": out, "peak_rss": peak_rss()}
 
 
 MAIN: dict[str, Callable[[Path, dict], dict]] = {"tiered": tiered, "memory": memory}

@@ -33,7 +33,7 @@ def _runs(memory: dict, tiered: dict, ids_per_step: int) -> list[dict]:
     return out
 
 
-def _summary(config: dict, tiered: dict, counts: dict | None) -> list[tuple[str, str]]:
+def _summary(config: dict, memory: dict, tiered: dict, counts: dict | None) -> list[tuple[str, str]]:
     bound = config["cache_bytes"] + SLACK
     rss = tiered["peak_rss"]
     cap = f"{config['cap_bytes'] / MIB:.0f} MiB" if counts else "none"
@@ -48,6 +48,7 @@ def _summary(config: dict, tiered: dict, counts: dict | None) -> list[tuple[str,
         ("peak RSS after: " + ", ".join(tiered["peak_rss_after"]),
          " / ".join(f"{v / MIB:.0f}" for v in tiered["peak_rss_after"].values()) + " MiB"),
         ("cache filled with the hottest rows", f"{tiered['prefill_s']:.1f} s"),
+        ("in-memory twin's peak RSS (uncapped)", f"{memory['peak_rss'] / MIB:.0f} MiB"),
         ("cgroup peak (page cache too)", f"{counts['peak'] / MIB:.0f} MiB, at the cap {counts['failcnt']} times, "
                                          f"{counts['oom_kills']} OOM kills" if counts else "no cgroup"),
     ]  # fmt: skip
@@ -60,7 +61,7 @@ def _summary(config: dict, tiered: dict, counts: dict | None) -> list[tuple[str,
 
 def report(config: dict, memory: dict, tiered: dict, counts: dict | None) -> dict:
     """Print the run's two tables; the record ``--json`` writes."""
-    print_table(["capacity run", "value"], _summary(config, tiered, counts),
+    print_table(["capacity run", "value"], _summary(config, memory, tiered, counts),
                 title="tables larger than memory: capped-memory run")  # fmt: skip
     runs = _runs(memory, tiered, config["batch"] * config["bag"])
     rows = [
@@ -79,6 +80,8 @@ def report(config: dict, memory: dict, tiered: dict, counts: dict | None) -> dic
                 rows, title=title)  # fmt: skip
     depth = {d["queue_depth"]: d for d in tiered["disk"]}
     return {"config": config, "record_bytes": tiered["record_bytes"], "capacity_rows": tiered["capacity_rows"],
-            "made_s": tiered["made_s"], "peak_rss": tiered["peak_rss"], "rss_bound": config["cache_bytes"] + SLACK,
+            "made_s": tiered["made_s"], "prefill_s": tiered["prefill_s"], "peak_rss": tiered["peak_rss"],
+            "peak_rss_after": tiered["peak_rss_after"], "memory_peak_rss": memory["peak_rss"],
+            "rss_bound": config["cache_bytes"] + SLACK,
             "cgroup": counts, "disk": {str(k): v for k, v in depth.items()}, "tier_queue_depth": tiered["queue_depth"],
             "runs": runs, "floor_goal": FLOOR_GOAL}  # fmt: skip
