@@ -1,33 +1,45 @@
 """``bench_tiered.py --capacity``: a table larger than the memory cap, trained under that cap.
 
 Issue 38's capacity run: a ``2**25 x 64`` tiered table (8 GiB of rows) with a 1 GiB cache, trained
-by fused ``RowWiseAdagrad`` through the ``Prefetcher`` on Zipf(1.05) ids while this process sits
-in a cgroup v1 memory cgroup capped at 2 GiB. The cgroup (a child of the process's own memory
-cgroup, so every limit above still holds) is made when run as root with cgroup v1's memory
-controller mounted, and removed at the end; otherwise (or with ``--no-cgroup``) the run goes on
-uncapped and says so. Reported: peak RSS against ``cache + 512 MiB``, the cgroup's peak usage
-(page cache included), hit rate, misses, and bytes read and written per step.
+by fused ``RowWiseAdagrad`` in a process held in a cgroup v1 memory cgroup capped at 2 GiB. The
+cgroup (a child of this process's own memory cgroup, so every limit above still holds) is made
+when run as root with cgroup v1's memory controller mounted, and removed at the end; otherwise (or
+with ``--no-cgroup``) the run goes on uncapped and says so. The cap counts the page cache too, so
+most of the file stays out of it: misses are read from the disk.
+
+Three processes (``_tiered_child.py``): this one makes the batches (Zipf(1.05) and uniform ids,
+so neither child holds a sampler's table-sized buffers); the in-memory table of the same shape runs
+them uncapped (it cannot fit under the cap); the tiered table runs them inside the cap, after
+measuring its disk: random reads of one record through the tier's own read path (``RowFile.read``)
+on its backing file, dropped from the page cache first, at queue depth 1 and at the tier's.
+
+Reported: peak RSS against ``cache + 512 MiB``, the cgroup's peak (page cache included), the disk's
+read rates, and per distribution with and without the ``Prefetcher``: the step, the in-memory
+step, the floor ``max(in-memory step, misses per step / reads per second at the tier's depth)``
+and the step's ratio to it (goal <= 1.3x), hit rate, misses, bytes the tier read and wrote, and
+bytes the kernel read from the disk, per step.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
-import resource
+import shlex
+import subprocess
+import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from _common import print_table, zipf_ids
-
-import shardvar
-from shardvar import optim
-from shardvar.tiered import Prefetcher
+import _tiered_child
+import numpy as np
+import torch
+from _tiered_report import report
 
 MEMORY = Path("/sys/fs/cgroup/memory")
-SLACK = 512 << 20  # what the process may hold besides the cache: Python, torch, a batch
+CHILD = Path(__file__).parent / "_tiered_child.py"
 
 
 def _own_cgroup() -> Path | None:
@@ -40,7 +52,7 @@ def _own_cgroup() -> Path | None:
 
 @contextlib.contextmanager
 def capped(cap: int, enabled: bool) -> Iterator[Path | None]:
-    """This process in a new memory cgroup of ``cap`` bytes (None: no cgroup, with a message why)."""
+    """A new memory cgroup of ``cap`` bytes to start a process in (None: no cgroup, with a message why)."""
     parent = _own_cgroup() if enabled and MEMORY.is_dir() else None
     if not enabled:
         print("capacity run: memory cap skipped (--no-cgroup): the run is not capped")
@@ -53,7 +65,6 @@ def capped(cap: int, enabled: bool) -> Iterator[Path | None]:
         try:
             group.mkdir()
             (group / "memory.limit_in_bytes").write_text(str(cap))
-            (group / "cgroup.procs").write_text(str(os.getpid()))
         except OSError as e:
             print(f"capacity run: memory cap skipped ({e}): the run is not capped")
             with contextlib.suppress(OSError):
@@ -63,45 +74,71 @@ def capped(cap: int, enabled: bool) -> Iterator[Path | None]:
         yield group
     finally:
         if group is not None:
-            (parent / "cgroup.procs").write_text(str(os.getpid()))  # back where it was, then the group goes
-            group.rmdir()
+            group.rmdir()  # its process has exited; v1 moves what it still charges to the parent
+
+
+def zipf(n: int, rows: int, exponent: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` ids whose ranks follow a truncated Zipf law, hot ids scattered over the table; the ids by rank.
+
+    The distribution of ``shardvar.workloads.zipf_ids`` by its inverse CDF, which (unlike
+    ``torch.multinomial``) takes more than 2**24 rows.
+    """
+    g = torch.Generator().manual_seed(seed)
+    cdf = torch.cumsum(torch.arange(1, rows + 1, dtype=torch.float64) ** -exponent, 0)
+    ranks = torch.searchsorted(cdf, torch.rand(n, dtype=torch.float64, generator=g) * cdf[-1])
+    order = torch.randperm(rows, generator=g)
+    return order[ranks.clamp_(max=rows - 1)], order
+
+
+def _batches(args: argparse.Namespace, folder: Path) -> None:
+    """The ids of every step, warm-up first (``_tiered_child.chunks``), one file per distribution."""
+    for name in _tiered_child.DISTRIBUTIONS:
+        steps = _tiered_child.warmup(vars(args), name) + 2 * args.repeats * args.steps
+        n = steps * args.batch * args.bag
+        if name == "zipf":
+            ids, order = zipf(n, args.rows, 1.05, seed=0)
+            np.save(folder / "hot.npy", order.numpy())
+        else:
+            ids = torch.randint(0, args.rows, (n,), generator=torch.Generator().manual_seed(1))
+        np.save(folder / f"{name}.npy", ids.view(steps, args.batch, args.bag).numpy())
+
+
+def _child(which: str, folder: Path, group: Path | None) -> int:
+    """Run one child to its end (inside ``group`` from its first instruction, when given): its exit status."""
+    command = [sys.executable, str(CHILD), which, str(folder)]
+    if group is not None:  # the shell joins the cgroup, then becomes Python: nothing runs uncapped
+        procs = shlex.quote(str(group / "cgroup.procs"))
+        command = ["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", *command]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    return subprocess.run(command, env=env, check=False).returncode
+
+
+def _group_counts(group: Path | None) -> dict[str, int] | None:
+    """The cgroup's peak usage (page cache included), how often it reached the cap, OOM kills in it."""
+    if group is None:
+        return None
+    read = {k: int((group / f"memory.{k}").read_text()) for k in ("max_usage_in_bytes", "failcnt")}
+    oom = (group / "memory.oom_control").read_text().split()
+    kills = int(oom[oom.index("oom_kill") + 1]) if "oom_kill" in oom else 0
+    return {"peak": read["max_usage_in_bytes"], "failcnt": read["failcnt"], "oom_kills": kills}
 
 
 def run(args: argparse.Namespace) -> None:
-    rows, cache_bytes, cap = args.rows, args.cache_bytes, args.cap_bytes
-    with capped(cap, not args.no_cgroup) as group, tempfile.TemporaryDirectory(dir=args.folder) as folder:
-        start = time.perf_counter()
-        storage = shardvar.Tiered(Path(folder) / "table.rows", cache_bytes=cache_bytes)
-        table = shardvar.ShardedEmbeddingBag(rows, args.dim, mode="sum", sparse=True, storage=storage)
-        optim.fuse(optim.RowWiseAdagrad(table, lr=0.01))
-        made = time.perf_counter() - start
-        ids = zipf_ids(args.batch * args.bag * args.steps, rows, 1.05).view(-1, args.batch, args.bag)
-        before = table.cache_stats()
-        start = time.perf_counter()
-        for batch in Prefetcher(list(ids), lambda b: [(table.cache, b)]):
-            table(batch).sum().backward()
-        step = (time.perf_counter() - start) / args.steps
-        after = table.cache_stats()
-        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        group_peak = int((group / "memory.max_usage_in_bytes").read_text()) if group is not None else None
-        table.close()
-    per = {k: (after[k] - before[k]) / args.steps for k in ("misses", "bytes_read", "bytes_written")}
-    looked = (after["hits"] - before["hits"]) + (after["misses"] - before["misses"])
-    bound = cache_bytes + SLACK
-    mib = 1 << 20
-    print_table(
-        ["capacity run", "value"],
-        [
-            ("table", f"{rows} x {args.dim} ({rows * args.dim * 4 / mib:.0f} MiB of rows)"),
-            ("cache / cap", f"{cache_bytes / mib:.0f} MiB / " + (f"{cap / mib:.0f} MiB" if group else "none")),
-            ("made (file filled, widened)", f"{made:.1f} s"),
-            ("peak RSS / (cache + 512 MiB)", f"{peak_rss / mib:.0f} / {bound / mib:.0f} MiB: "
-             + ("within" if peak_rss <= bound else "OVER")),
-            ("cgroup peak (page cache too)", f"{group_peak / mib:.0f} MiB" if group_peak is not None else "no cgroup"),
-            ("step", f"{step * 1e3:.1f} ms"),
-            ("hit rate", f"{(after['hits'] - before['hits']) / looked if looked else 0.0:.3f}"),
-            ("misses per step", f"{per['misses']:.0f}"),
-            ("bytes read / written per step", f"{per['bytes_read']:.0f} / {per['bytes_written']:.0f}"),
-        ],
-        title="tables larger than memory: capped-memory run",
-    )  # fmt: skip
+    with tempfile.TemporaryDirectory(dir=args.folder) as where:
+        folder = Path(where)
+        config = {k: getattr(args, k) for k in ("rows", "dim", "batch", "bag", "steps", "repeats", "warmup",
+                                                "cache_bytes", "cap_bytes", "probe_reads")}  # fmt: skip
+        (folder / "args.json").write_text(json.dumps(config))
+        _batches(args, folder)
+        if (status := _child("memory", folder, None)) != 0:
+            raise SystemExit(f"capacity run: the in-memory process failed with exit status {status}")
+        with capped(args.cap_bytes, not args.no_cgroup) as group:
+            status = _child("tiered", folder, group)
+            counts = _group_counts(group)
+        if status != 0:
+            raise SystemExit(f"capacity run: the tiered process failed with exit status {status}"
+                             + (f"; its cgroup: {counts}" if counts else ""))  # fmt: skip
+        memory, tiered = (json.loads((folder / f"{w}.json").read_text()) for w in ("memory", "tiered"))
+    result = report(config, memory, tiered, counts)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")

@@ -50,17 +50,90 @@ def test_the_guard_has_a_committed_baseline_for_every_path() -> None:
     assert all(r > 0 for r in committed["ratios"].values())
 
 
-def test_the_tiered_capacity_run_reports_its_bound_and_says_when_uncapped() -> None:
+def test_the_tiered_capacity_run_reports_its_bound_floor_and_both_id_laws(tmp_path) -> None:
     # (--no-cgroup: a test never makes cgroups; as root with cgroup v1 the real run caps itself)
+    record = tmp_path / "capacity.json"
     out = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_tiered.py"), "--capacity", "--quick", "--no-cgroup"],
+        [
+            sys.executable,
+            str(BENCHMARKS / "bench_tiered.py"),
+            "--capacity",
+            "--quick",
+            "--no-cgroup",
+            "--json",
+            str(record),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    for line in ["memory cap skipped", "peak RSS / (cache + 512 MiB)", "hit rate", "misses per step", "bytes read"]:
+    for line in ["memory cap skipped", "peak RSS / (cache + 512 MiB)", "disk, queue depth 1", "disk, queue depth 32",
+                 "vs floor (<= 1.3x)", "zipf, prefetch off", "zipf, prefetch on", "uniform, prefetch on", "hit rate",
+                 "misses / step", "disk MiB read / written per step"]:  # fmt: skip
         assert line in out.stdout, out.stdout
+    got = json.loads(record.read_text())
+    assert got["cgroup"] is None and got["config"]["rows"] == 1 << 14
+    assert set(got["disk"]) == {"1", "32"} and all(d["reads_per_s"] > 0 for d in got["disk"].values())
+    assert {(r["ids"], r["prefetch"]) for r in got["runs"]} == {
+        (d, p) for d in ("zipf", "uniform") for p in (False, True)
+    }
+    rate = got["disk"]["32"]["reads_per_s"]
+    for r in got["runs"]:
+        assert r["floor_s"] == pytest.approx(max(r["memory_step_s"], r["misses_per_step"] / rate))
+        assert r["vs_floor"] == pytest.approx(r["step_s"] / r["floor_s"])
+        assert 0 <= r["hit_rate"] <= 1 and r["misses_per_step"] > 0 and r["steps"] == 4
+
+
+def test_the_tiered_speed_run_writes_its_record(tmp_path) -> None:
+    record = tmp_path / "speed.json"
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_tiered.py"), "--quick", "--json", str(record)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads(record.read_text())
+    assert got["equal"] is True and got["goal"] == 1.5
+    assert set(got["step_ms"]) == {"in memory", "tiered", "tiered, prefetch"}
+    assert got["vs_memory"]["tiered"] == pytest.approx(got["step_ms"]["tiered"] / got["step_ms"]["in memory"])
+    assert 0 <= got["hit_rate"] <= 1 and got["per_step"]["misses"] > 0
+
+
+@pytest.mark.parametrize("exponent", [0.8, 1.05, 1.3])
+@pytest.mark.parametrize("rows", [7, 100, 1000])
+def test_the_capacity_runs_zipf_sampler_follows_the_law(rows: int, exponent: float) -> None:
+    # (its own inverse-CDF sampler: torch.multinomial, under shardvar.workloads.zipf_ids, stops at 2**24 rows)
+    sys.path.insert(0, str(BENCHMARKS))
+    import _capacity
+    import torch
+
+    ids, order = _capacity.zipf(200_000, rows, exponent, seed=3)
+    assert ids.min() >= 0 and ids.max() < rows and sorted(order.tolist()) == list(range(rows))
+    pmf = torch.arange(1, rows + 1, dtype=torch.float64) ** -exponent
+    pmf /= pmf.sum()
+    shares = torch.bincount(ids, minlength=rows).double() / ids.numel()
+    assert torch.allclose(shares[order[:5]], pmf[:5], atol=0.01)  # ``order``: the ids from the most likely down
+
+
+@pytest.mark.parametrize("depth", [1, 4])
+def test_the_disk_probe_reads_through_the_tables_file_and_leaves_it_open(tmp_path, depth: int) -> None:
+    sys.path.insert(0, str(BENCHMARKS))
+    import _tiered_child
+    import torch
+
+    from shardvar.tiered import RecordLayout, RowFile
+
+    layout = RecordLayout(4096, 8, "float32", 1)
+    with RowFile.create(
+        tmp_path / "t.rows", layout, lambda ids: (ids[:, None].float().expand(-1, 8), ids[:, None].float())
+    ) as file:
+        got = _tiered_child.probe(file, 64, depth, seed=0)
+        assert got["queue_depth"] == depth and 0 < got["reads"] <= 64 and got["reads_per_s"] > 0
+        assert got["disk_bytes_per_read"] >= 0
+        values, _ = layout.split(file.read(torch.tensor([5, 4000])))  # the table's file is still open and whole
+        assert values[:, 0].tolist() == [5.0, 4000.0]
 
 
 @pytest.mark.parametrize(("root", "enabled", "why"), [(False, True, "needs root"), (True, False, "--no-cgroup")])

@@ -1,0 +1,190 @@
+"""The two processes of ``bench_tiered.py --capacity`` (see ``_capacity.py``), one per table.
+
+    python benchmarks/_tiered_child.py tiered|memory FOLDER
+
+``FOLDER`` holds ``args.json`` (the run's sizes), the batches, ``zipf.npy`` and ``uniform.npy``
+(``[steps, batch, bag]``: ``warmup`` steps, then ``repeats`` pairs of ``steps``-step chunks, one
+without read-ahead and one through the ``Prefetcher``), and ``hot.npy`` (the ids from the most
+likely down, under the Zipf law). The child writes ``tiered.json`` or ``memory.json`` there.
+
+``tiered`` (started inside the memory cap): the tiered table, its disk's random-read rate measured
+on the backing file itself, the cache filled with the hottest rows (a cache of 10% of the rows
+takes many steps to fill: timed before it is full, the steps would miss more than they will),
+then every chunk timed with the cache's, the file's and the disk's counts per step. ``memory``
+(uncapped): the same table held in memory, timed on the same batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import shardvar
+from shardvar import optim
+from shardvar.tiered import Prefetcher, RowFile
+
+DISTRIBUTIONS = ("zipf", "uniform")
+MODES = ("off", "on")  # read-ahead through the Prefetcher
+
+
+def _proc(name: str, key: str) -> int:
+    for line in Path(f"/proc/self/{name}").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * (1024 if name == "status" else 1)
+    raise RuntimeError(f"/proc/self/{name} has no {key}")
+
+
+def disk_bytes() -> tuple[int, int]:
+    """Bytes this process (all its threads) made the kernel read from and write to storage.
+
+    Page-cache hits are not reads; a write of part of a page that is not cached reads it first.
+    """
+    return _proc("io", "read_bytes"), _proc("io", "write_bytes")
+
+
+def peak_rss() -> int:
+    """The process's peak resident set so far (VmHWM)."""
+    return _proc("status", "VmHWM")
+
+
+PASSES = ("filling the backing file", "widening it for the optimizer's state")  # both call Tiered(progress=)
+_passes_done = [0]
+
+
+def _progress(done: int, rows: int) -> None:
+    what = PASSES[min(_passes_done[0], len(PASSES) - 1)]
+    last = done == rows
+    print(f"\r{what}: {done}/{rows} rows ({done / rows:.0%})", end="\n" if last else "", file=sys.stderr, flush=True)
+    _passes_done[0] += last
+
+
+def _table(args: dict, storage: shardvar.Tiered | None, peaks: dict[str, int]) -> torch.nn.Module:
+    """The table, trained by fused RowWiseAdagrad; ``peaks``: peak RSS once made, once its optimizer took it."""
+    torch.manual_seed(0)
+    table = shardvar.ShardedEmbeddingBag(args["rows"], args["dim"], mode="sum", sparse=True, storage=storage)
+    peaks["made"] = peak_rss()
+    optim.fuse(optim.RowWiseAdagrad(table, lr=0.01))  # a tiered table's file is widened for the state here
+    peaks["optimizer"] = peak_rss()
+    return table
+
+
+def _prefill(table: torch.nn.Module, hot: np.ndarray, piece: int) -> None:
+    """Bring the hottest rows in (as many as the cache holds), so the timed steps start from a full cache."""
+    hot = hot[: table.cache_stats()["capacity_rows"]]
+    for first in range(0, hot.size, piece):
+        table.cache.resolve(torch.from_numpy(np.array(hot[first : first + piece])))
+
+
+def _step(module: torch.nn.Module, batches: np.ndarray, prefetch: bool) -> float:
+    """Seconds per step of ``batches`` (``[steps, batch, bag]``), read ahead or not."""
+    tensors = [torch.from_numpy(np.array(b)) for b in batches]  # copies: the batches are mapped read-only
+    loop = Prefetcher(tensors, lambda ids: [(module.cache, ids)]) if prefetch else tensors
+    start = time.perf_counter()
+    for ids in loop:
+        module(ids).sum().backward()
+    return (time.perf_counter() - start) / len(tensors)
+
+
+def warmup(args: dict, dist: str) -> int:
+    """Untimed steps first (after the hottest rows were brought in): uniform ids, run after Zipf's, need few."""
+    return args["warmup"] if dist == "zipf" else min(args["warmup"], 2)
+
+
+def chunks(args: dict, w: int) -> list[tuple[str, slice]]:
+    """(mode, steps) of each timed chunk after ``w`` warm-up steps: off and on alternate, a change in load hits both."""
+    s = args["steps"]
+    return [(mode, slice(w + (2 * r + i) * s, w + (2 * r + i + 1) * s)) for r in range(args["repeats"])
+            for i, mode in enumerate(MODES)]  # fmt: skip
+
+
+def probe(file: RowFile, reads: int, depth: int, seed: int) -> dict[str, float]:
+    """Random reads of whole records per second through ``RowFile.read`` with ``depth`` in flight.
+
+    The tier's own read path (sorted ids cut across ``depth`` threads, one ``preadv`` per record) on
+    its own file, after dropping that file from the page cache: what a miss costs on this disk.
+    """
+    os.fsync(file.fd)  # dirty pages cannot be dropped
+    os.posix_fadvise(file.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.unique(torch.randint(0, file.layout.rows, (reads,), generator=g))
+    reader = RowFile(file.path, file.fd, file.layout, depth)  # the table's open file: no second lock
+    disk = disk_bytes()[0]
+    start = time.perf_counter()
+    reader.read(ids)
+    seconds = time.perf_counter() - start
+    reader._pool.shutdown()  # not close(): the fd is the table's
+    return {"queue_depth": depth, "reads": ids.numel(), "reads_per_s": ids.numel() / seconds,
+            "disk_bytes_per_read": (disk_bytes()[0] - disk) / ids.numel()}  # fmt: skip
+
+
+COUNTS = ("hits", "misses", "written_back", "bytes_read", "bytes_written", "disk_bytes_read", "disk_bytes_written")
+
+
+def _train(table: torch.nn.Module, batches: np.ndarray, args: dict, warmup: int) -> dict[str, dict]:
+    """Per mode: the step time of each chunk, and the cache's, file's and disk's counts over them."""
+    _step(table, batches[:warmup], False)
+    out = {m: {"seconds": [], "steps": 0, **dict.fromkeys(COUNTS, 0)} for m in MODES}
+    for mode, part in chunks(args, warmup):
+        before, disk = table.cache_stats(), disk_bytes()
+        out[mode]["seconds"].append(_step(table, batches[part], mode == "on"))
+        after, now = {**table.cache_stats()}, disk_bytes()
+        after["disk_bytes_read"], after["disk_bytes_written"] = now
+        before["disk_bytes_read"], before["disk_bytes_written"] = disk
+        out[mode]["steps"] += part.stop - part.start
+        for key in COUNTS:
+            out[mode][key] += int(after[key] - before[key])
+    return out
+
+
+def tiered(folder: Path, args: dict) -> dict:
+    # the backing file in the run's folder: removed by the parent even when the cap kills this process
+    start = time.perf_counter()
+    show = _progress if sys.stderr.isatty() else None
+    storage = shardvar.Tiered(folder / "table.rows", cache_bytes=args["cache_bytes"], progress=show)
+    peaks: dict[str, int] = {}
+    table = _table(args, storage, peaks)
+    made = time.perf_counter() - start
+    file = table.tier.file
+    depths = sorted({1, storage.queue_depth})
+    # more reads where more are in flight: each probe lasts about as long
+    disk = [probe(file, args["probe_reads"] * (1 if d == 1 else 4), d, seed=d) for d in depths]
+    start = time.perf_counter()
+    _prefill(table, np.load(folder / "hot.npy", mmap_mode="r"), args["batch"] * args["bag"])
+    prefill = time.perf_counter() - start
+    runs = {}
+    for d in DISTRIBUTIONS:
+        runs[d] = _train(table, np.load(folder / f"{d}.npy", mmap_mode="r"), args, warmup(args, d))
+        peaks[d] = peak_rss()
+    stats = table.cache_stats()
+    table.close()  # the changed rows written back: part of the process's peak too
+    peaks["closed"] = peak_rss()
+    return {"made_s": made, "prefill_s": prefill, "record_bytes": file.layout.record_bytes, "disk": disk,
+            "queue_depth": storage.queue_depth, "runs": runs, "capacity_rows": stats["capacity_rows"],
+            "peak_rss": peak_rss(), "peak_rss_after": peaks}  # fmt: skip
+
+
+def memory(folder: Path, args: dict) -> dict:
+    table = _table(args, None, {})
+    out = {}
+    for d in DISTRIBUTIONS:
+        batches = np.load(folder / f"{d}.npy", mmap_mode="r")
+        w = warmup(args, d)
+        _step(table, batches[: min(w, 2)], False)
+        out[d] = statistics.median(_step(table, batches[part], False) for _, part in chunks(args, w))
+    return {"step_s": out, "peak_rss": peak_rss()}
+
+
+MAIN: dict[str, Callable[[Path, dict], dict]] = {"tiered": tiered, "memory": memory}
+
+if __name__ == "__main__":
+    which, where = sys.argv[1], Path(sys.argv[2])
+    result = MAIN[which](where, json.loads((where / "args.json").read_text()))
+    (where / f"{which}.json").write_text(json.dumps(result))
