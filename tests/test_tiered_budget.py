@@ -117,3 +117,33 @@ def test_a_batch_larger_than_the_staging_area_moves_through_it_in_pieces(tmp_pat
     assert torch.equal(values, ref.weight.to_tensor())
     assert torch.equal(state[:, 0], opts[0].tables[0].state["sum"][0])
     assert tier.cache.staging.shape[0] == staging
+
+
+@pytest.mark.parametrize("how", ["an optimizer adds its state", "a checkpoint is loaded"])
+def test_a_new_cache_is_made_only_after_the_old_one_is_let_go(tmp_path, monkeypatch, how):
+    """Two caches never live at once (the capped-memory run: widening the file for an optimizer's state held
+    the old cache while it made the new, twice ``cache_bytes``)."""
+    import gc
+    import weakref
+
+    storage = shardvar.Tiered(tmp_path / "t.rows", cache_bytes=cache_bytes_for(40, DIM, rows=ROWS, state_width=1))
+    tiered = shardvar.ShardedEmbeddingBag(ROWS, DIM, mode="sum", sparse=True, storage=storage)
+    if how == "a checkpoint is loaded":
+        optim.fuse(optim.RowWiseAdagrad(tiered, lr=0.1))
+        tiered(torch.arange(20), torch.tensor([0, 10])).sum().backward()  # rows held: the load forgets them
+        shardvar.save({"model": tiered}, tmp_path / "ck")
+    old = weakref.ref(tiered.tier.cache)
+    alive = []
+    make = type(storage).cache_of
+
+    def watched(self, *args):
+        gc.collect()
+        alive.append(old() is not None)
+        return make(self, *args)
+
+    monkeypatch.setattr(type(storage), "cache_of", watched)
+    if how == "a checkpoint is loaded":
+        shardvar.load({"model": tiered}, tmp_path / "ck")
+    else:
+        optim.fuse(optim.RowWiseAdagrad(tiered, lr=0.1))
+    assert alive and not any(alive), alive

@@ -295,10 +295,17 @@ class TieredRows:
         """Make ``new`` (already at the backing file's path) the table's file, with an empty cache."""
         self._closer.detach()
         self.file.close()  # the old file, replaced at its path: its rows are not read again
-        stats = self.cache.stats
+        stats = self._drop_cache()
         self.file, self.cache = new, self.spec.cache_of(new, budget)
         self.cache.stats = stats
         self._closer = weakref.finalize(self, _close, self.cache, new)
+
+    def _drop_cache(self) -> Any:
+        """Let go of the cache (its memory freed before a new one is made: never two at once) and return its
+        statistics. Its rows were written back or are no longer wanted."""
+        stats = self.cache.stats
+        self.cache = None  # type: ignore[assignment]
+        return stats
 
     def adopt(self, new: RowFile, mapping: tuple) -> None:
         """A load's shadow, renamed over the backing file, becomes the table's file (``_shadow``)."""
@@ -342,10 +349,11 @@ class TieredRows:
             raise ShardvarValueError("cannot load a tiered table while a backward of its lookups is pending")
         if not bool((self.cache.key >= 0).any()) and not self.cache.staged_rows:
             return  # nothing held to forget (a committed load switched to its new file with an empty cache)
-        stats = self.cache.stats
-        self.cache = self.spec.cache_of(self.file, self._budget())
-        self.cache.stats = stats
+        budget = self._budget()
         self._closer.detach()
+        stats = self._drop_cache()
+        self.cache = self.spec.cache_of(self.file, budget)
+        self.cache.stats = stats
         self._closer = weakref.finalize(self, _close, self.cache, self.file)
 
     def cache_stats(self) -> dict[str, float]:
