@@ -97,6 +97,8 @@ class RowFile:
     def __init__(self, path: Path, fd: int, layout: RecordLayout, queue_depth: int) -> None:
         self.path, self.fd, self.layout = path, fd, layout
         self.queue_depth = queue_depth
+        if hasattr(os, "posix_fadvise"):  # rows are read where ids fall: the kernel's read-ahead of a page's
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # neighbours would only evict other rows' pages
         self._pool = ThreadPoolExecutor(max_workers=queue_depth, thread_name_prefix="shardvar-io")
         self.bytes_read = self.bytes_written = 0
         self.inline = False  # transfer on the calling thread (a finalizer: the pool's locks may be held)
