@@ -39,7 +39,7 @@ def test_benchmark_runs_quick(script: str, prints: list[str]) -> None:
 
 
 def test_the_weak_scaling_benchmark_reports_every_path_against_its_baselines() -> None:
-    # Small sizes, 2 repetitions: two spawned ranks import torch, most of its run time.
+    # Small sizes, 2 repetitions; the ranks are forks of the script (no second import of torch): ~6 s.
     out = subprocess.run(
         [sys.executable, str(BENCHMARKS / "bench_weak_scaling.py"), "--quick", "--json"],
         capture_output=True,
