@@ -5,7 +5,9 @@
 
 Each row times a sharded path and its unsharded baseline alternately in this run (the machine's
 state weighs on both) and takes the median ratio over ``--rounds`` rounds; the distributed rows
-are 2 ranks (gloo, loopback) against one process doing both ranks' ids. A row is flagged when its
+are 2 ranks (gloo, loopback) against one process doing both ranks' ids, the weak-scaling rows a
+rank's step (one thread, its own batch) against one process with one thread and one batch (the
+fused row's: the local EmbeddingBagCollection's). A row is flagged when its
 ratio is worse than the committed one by more than ``tolerance`` (a fraction, in baseline.json):
 ratios are steadier than times, but a busy machine still moves them, so rerun a flagged row before
 believing it. Not a CI test; run it before calling a change done and put its table in the note.
@@ -40,6 +42,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_distributed
+import bench_weak_scaling
 from _common import print_table, zipf_ids
 from bench_optim import CASES as OPTIMIZERS
 from bench_paths import ratio
@@ -231,6 +234,21 @@ def distributed(path: str) -> Callable[[Sizes, int, float], list[float]]:
     return ratios
 
 
+@functools.cache
+def _weak_run(s: Sizes, rounds: int) -> dict:
+    return bench_weak_scaling.run(s.dist_rows, s.dim, s.dist_batch, rounds)
+
+
+def weak(path: str) -> Callable[[Sizes, int, float], list[float]]:
+    """Ratios of a rank's step (2 ranks x 1 thread, each its own batch and its share of a table twice the
+    size) to one process x 1 thread stepping one batch (``path``: dense, sparse or fused; issue 37)."""
+
+    def ratios(s: Sizes, rounds: int, min_s: float) -> list[float]:
+        return bench_weak_scaling.ratios(_weak_run(s, max(rounds, 5))[path], "step", "one process")
+
+    return ratios
+
+
 def timed(make: Callable[[Sizes], tuple[Step, Step]]) -> Callable[[Sizes, int, float], list[float]]:
     return lambda s, rounds, min_s: ratio(*make(s), rounds, min_s)
 
@@ -254,6 +272,9 @@ CASES: list[tuple[str, Callable[[Sizes, int, float], list[float]]]] = [
     ("bag forward, int8 (8 shards) / nn.EmbeddingBag fp32", timed(quantized_bag)),
     ("2 ranks fwd+bwd, dense / one process", distributed("dense")),
     ("2 ranks fwd+bwd, sparse / one process", distributed("sparse")),
+    ("weak scaling, 2 ranks x 1 thread fwd+bwd, dense / 1 process x 1 thread", weak("dense")),
+    ("weak scaling, 2 ranks x 1 thread sparse SGD step / 1 process x 1 thread", weak("sparse")),
+    ("weak scaling, 2 ranks x 1 thread collection step, fused RowWiseAdagrad / 1 process x 1 thread", weak("fused")),
     ("checkpoint save (8 shards) / torch.save", timed(lambda s: checkpoint(s, restore=False))),
     ("checkpoint restore (into 5 shards) / torch.load", timed(lambda s: checkpoint(s, restore=True))),
 ]

@@ -38,6 +38,23 @@ def test_benchmark_runs_quick(script: str, prints: list[str]) -> None:
     assert all(p in out.stdout for p in prints), out.stdout
 
 
+def test_the_weak_scaling_benchmark_reports_every_path_against_its_baselines() -> None:
+    # Small sizes, 2 repetitions; the ranks are forks of the script (no second import of torch): ~6 s.
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_weak_scaling.py"), "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    paths = json.loads(out.stdout)["paths"]
+    assert sorted(paths) == ["dense", "fused", "sparse"]
+    for stats in paths.values():
+        assert all(len(stats[k]) == 2 and min(stats[k]) > 0 for k in ("step", "one process", "a2a", "raw", "cpu"))
+        assert stats["calls"] == 4  # split sizes with the verdicts, ids, rows; gradients in backward
+        assert 1 <= stats["sent"] / stats["bound"] < 1.2  # each remote row out and back, and the ids
+
+
 def test_the_guard_has_a_committed_baseline_for_every_path() -> None:
     sys.path.insert(0, str(BENCHMARKS))
     import guard

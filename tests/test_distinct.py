@@ -1,11 +1,12 @@
 """The distinct-ids plan of fetched-row lookups, and its expansion, against torch.unique and F.embedding."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardvar.variables._distinct import distinct, expand
+from shardvar.variables._distinct import distinct, expand, pool
 
 id_lists = st.lists(st.integers(0, 40), min_size=0, max_size=200)
 
@@ -122,3 +123,73 @@ def test_copies_and_pickles_carry_no_gradient_buffer() -> None:
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     torch.testing.assert_close(loaded.sparse_read(torch.arange(9)), v.sparse_read(torch.arange(9)))
+
+
+def _bags(draw_lengths: list[int]) -> torch.Tensor:
+    lengths = torch.tensor(draw_lengths, dtype=torch.int64)
+    return lengths.cumsum(0) - lengths
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(0, 6), min_size=1, max_size=30).filter(sum),
+    st.sampled_from(["sum", "mean", "weighted"]),
+    st.sampled_from([torch.float32, torch.float64]),
+    st.integers(0, 2**31),
+)
+def test_pooled_distinct_rows_match_embedding_bag(lengths: list[int], mode: str, dtype: torch.dtype, seed: int) -> None:
+    # Bags of every length (empty ones too) over fetched distinct rows: torch's values bit for bit,
+    # its gradient (torch sums each row's ids in another order) to rounding, per-sample weights too.
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 12, (sum(lengths),), generator=g)
+    offsets, found = _bags(lengths), distinct(ids, 12)
+    weights = torch.rand(ids.numel(), generator=g, dtype=dtype) if mode == "weighted" else None
+    op = "sum" if mode == "weighted" else mode
+    rows = torch.randn(found.ids.numel(), 4, generator=g, dtype=dtype, requires_grad=True)
+    ref_rows = rows.detach().clone().requires_grad_(True)
+    out = pool(rows, found, offsets, op, weights)
+    ref = F.embedding_bag(found.inverse, ref_rows, offsets, mode=op, per_sample_weights=weights)
+    assert torch.equal(out, ref)
+    grad = torch.randn(out.shape, generator=g, dtype=dtype)
+    out.backward(grad)
+    ref.backward(grad)
+    torch.testing.assert_close(rows.grad, ref_rows.grad, rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-5)
+
+
+@pytest.mark.parametrize(("mode", "weighted", "other"), [("max", False, False), ("sum", True, False),
+                                                         ("sum", False, True)])  # fmt: skip
+def test_pool_leaves_what_it_does_not_cover_to_the_op(mode: str, weighted: bool, other: bool) -> None:
+    ids = torch.tensor([3, 1, 3, 0])
+    found, offsets = distinct(ids, 4), torch.tensor([0, 2])
+    weights = torch.rand(4, requires_grad=True) if weighted else None  # learned weights need their own gradient
+    assert pool(torch.randn(3, 2), found, offsets, mode, weights, other) is None
+
+
+def test_pooled_rows_are_twice_differentiable() -> None:
+    ids = torch.tensor([3, 1, 3, 3, 0])
+    found, offsets = distinct(ids, 4), torch.tensor([0, 2, 2])
+    rows = torch.randn(found.ids.numel(), 2, dtype=torch.float64, requires_grad=True)
+    for mode in ("sum", "mean"):
+        torch.autograd.gradcheck(lambda r, m=mode: pool(r, found, offsets, m, None), (rows,))
+        torch.autograd.gradgradcheck(lambda r, m=mode: pool(r, found, offsets, m, None), (rows,))
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_a_bag_lookup_of_fetched_rows_runs_no_second_sort_in_backward(mode: str) -> None:
+    # Fetched rows (shards with no full slab here; other ranks' rows alike) were grouped by the
+    # lookup's sort: their gradient is its segment sums, not torch's embedding_bag backward, which
+    # sorts the ids again (a third of a distributed fused step's sorting).
+    from shardvar.variables import functional
+
+    v, ids, offsets = _loose(), torch.tensor([8, 1, 8, 3, 0, 1, 5]), torch.tensor([0, 3, 3, 5])
+    plain = torch.zeros(9, 3)
+    plain[0::2], plain[1::2] = v.variables[0].detach(), v.variables[1].detach()  # the logical table (mod)
+    plain.requires_grad_(True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        functional.embedding_bag(v.store, ids, offsets, mode=mode).pow(2).sum().backward()
+    ran = {e.name for e in prof.events()}
+    assert not {n for n in ran if n.startswith("aten::_embedding_bag") and "backward" in n}, sorted(ran)
+    F.embedding_bag(ids, plain, offsets, mode=mode).pow(2).sum().backward()
+    got = torch.zeros(9, 3)
+    got[0::2], got[1::2] = v.variables[0].grad, v.variables[1].grad
+    torch.testing.assert_close(got, plain.grad, rtol=0, atol=1e-6)

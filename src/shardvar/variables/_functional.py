@@ -29,7 +29,7 @@ from ..layout import as_ids, check_ids
 from . import _gather
 from ._autograd import GatherRows, SlabView, gather_local, scatter_grads
 from ._bag_grad import slab_bags, sums_rows
-from ._distinct import Distinct, distinct, expand, segment_sum
+from ._distinct import Distinct, distinct, expand, pool, segment_sum
 from ._jagged import bags, check_jagged, is_nested, on_values
 from ._kernels import bag_parts, embedding_bag_rows, embedding_rows, packed_bag_rows, packed_rows, renorm_rows
 from ._meta import check_readable
@@ -366,6 +366,9 @@ def embedding_bag(
     src = _source(store, ids if ids.dim() == 1 else ids.reshape(-1), pad, max_norm, norm_type, sparse, by_rows)
     indices = src.indices if src.indices.shape == ids.shape else src.indices.reshape(ids.shape)
     options = (src.max_norm, norm_type, scale_grad_by_freq, mode, src.sparse, weights, include_last_offset)
+    pooled = pool(src.weight, src.distinct, bag_offsets, mode, weights, scale_grad_by_freq or include_last_offset)
+    if pooled is not None:  # fetched distinct rows: their gradient from the lookup's own grouping
+        return pooled
     op = functools.partial(embedding_bag_rows, indices, src.weight, bag_offsets, *options, src.padding_idx)
     return _refused_ids(op, deferred, store, ids, (offsets, include_last_offset))
 
