@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._file import HEADER, MAGIC, BackingFileError, RecordLayout, _read_header
+from ._file import HEADER, MAGIC, RecordLayout, _read_header, open_fd
 
 __all__ = ["BackingFileInfo", "describe", "is_backing_file"]
 
@@ -61,10 +61,7 @@ def is_backing_file(path: str | os.PathLike) -> bool:
 def describe(path: str | os.PathLike) -> BackingFileInfo:
     """The layout and state of the backing file at ``path`` (see the module docstring); changes nothing."""
     path = Path(path)
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as e:
-        raise BackingFileError(f"cannot open backing file {str(path)!r}: {e.strerror}") from None
+    fd = open_fd(path, os.O_RDONLY)
     try:
         layout, clean = _read_header(fd, path)
         try:

@@ -150,10 +150,7 @@ class RowFile:
     def open(cls, path: str | os.PathLike, *, queue_depth: int = 32) -> RowFile:
         """Open a file a ``close()`` left clean; it is marked in use until closed again."""
         path = Path(path)
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as e:
-            raise BackingFileError(f"cannot open backing file {str(path)!r}: {e.strerror}") from None
+        fd = open_fd(path, os.O_RDWR)
         try:
             _lock(fd, path)
             layout, clean = _read_header(fd, path)
@@ -267,6 +264,14 @@ def _submitted(pool: ThreadPoolExecutor, work: Callable, parts: list) -> list | 
         return [pool.submit(work, part) for part in parts]
     except RuntimeError:
         return None
+
+
+def open_fd(path: Path, flags: int) -> int:
+    """``os.open(path, flags)``, a failure as shardvar's error naming the file."""
+    try:
+        return os.open(path, flags)
+    except OSError as e:
+        raise BackingFileError(f"cannot open backing file {str(path)!r}: {e.strerror}") from None
 
 
 def _lock(fd: int, path: Path) -> None:
