@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Hashable
@@ -21,6 +21,38 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_SERVER: list[Any] = []
+
+
+def _forked() -> Any:
+    """Ranks start as forks of one server process that imported torch and shardvar once (a forkserver),
+    not as fresh interpreters: each would spend seconds of the machine's two cores importing torch. The
+    server computes nothing, so its forks are as clean as a new process (no threads, no process group)."""
+    if not _SERVER:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "shardvar", "shardvar.distributed"])
+        _SERVER.append(ctx)
+    return _SERVER[0]
+
+
+def _rank_main(env: dict[str, str], argv: list[str], log: str) -> None:
+    """A rank: its output to ``log``.out/.err, its environment, one thread, then ``dist_workers.main``."""
+    for fd, suffix in ((1, ".out"), (2, ".err")):
+        os.dup2(os.open(log + suffix, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path.insert(0, str(HERE))
+    sys.argv = argv
+    torch.set_num_threads(1)  # OMP_NUM_THREADS=1, as a fresh process would read it
+    import dist_workers
+
+    dist_workers.main()
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
 
 
 def run_ranks(
@@ -49,22 +81,24 @@ def run_ranks(
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""),
         }
-        cmd = [sys.executable, str(HERE / "dist_workers.py"), worker, json.dumps(kwargs), str(out_dir)]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        argv = [str(HERE / "dist_workers.py"), worker, json.dumps(kwargs), str(out_dir)]
+        log = out_dir / f"rank{rank}"
+        procs.append(_forked().Process(target=_rank_main, args=(env, argv, str(log)), daemon=False))
+        procs[-1].start()
     deadline = time.monotonic() + timeout
-    outputs = []
     for p in procs:
-        try:
-            outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
+        p.join(max(1.0, deadline - time.monotonic()))
+        if p.exitcode is None:
             for q in procs:
                 q.kill()
-            raise AssertionError(f"worker {worker} did not finish within {timeout} s") from None
+                q.join()
+            raise AssertionError(f"worker {worker} did not finish within {timeout} s")
     expect_exit = expect_exit or {}
     results = []
-    for rank, (p, (out, err)) in enumerate(zip(procs, outputs, strict=True)):
+    for rank, p in enumerate(procs):
         want = expect_exit.get(rank, 0)
-        assert p.returncode == want, f"rank {rank} exited {p.returncode} (wanted {want}):\n{out}\n{err}"
+        out, err = (_read(out_dir / f"rank{rank}.{k}") for k in ("out", "err"))
+        assert p.exitcode == want, f"rank {rank} exited {p.exitcode} (wanted {want}):\n{out}\n{err}"
         path = out_dir / f"rank{rank}.pt"
         results.append(torch.load(path, weights_only=False) if want == 0 else None)
     return results
