@@ -235,3 +235,22 @@ def test_staged_records_never_exceed_the_reserve(tmp_path, reserve):
             assert sum(s.records.nbytes for s in cache._staged if s.records is not None) <= reserve * 24
         cache.resolve(torch.arange(30, 38))  # the last set's rows: taken from it where staged
         assert cache.stats.prefetched == last and (last > 0) == (reserve > 1)
+
+
+@pytest.mark.parametrize("nowait", [True, False])
+@pytest.mark.parametrize("cached", [True, False])
+def test_reads_are_the_records_whether_the_page_cache_serves_them_or_the_disk(tmp_path, monkeypatch, nowait, cached):
+    """Reads the page cache holds are served at once (``RWF_NOWAIT``), the others by the pool's threads:
+    the same records either way, also without ``RWF_NOWAIT`` and with the file dropped from the cache."""
+    import shardvar.tiered._file as file_module
+
+    f = _file(tmp_path, rows=300, dim=5)
+    ids = torch.randperm(300, generator=torch.Generator().manual_seed(1))[:120]
+    want = f.read(ids)
+    monkeypatch.setattr(file_module, "_NOWAIT", nowait and file_module._NOWAIT)
+    if not cached:  # written out, then dropped: the reads must wait for the disk (or a fake cache miss)
+        os.fsync(f.fd)
+        os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    assert torch.equal(f.read(ids), want)
+    assert torch.equal(f.read(ids.sort().values), want[ids.argsort()])
+    f.close()
