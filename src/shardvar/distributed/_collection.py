@@ -210,31 +210,37 @@ class DistributedEmbeddingBagCollection(nn.Module):
             by_kind.setdefault((cfg.embedding_dim, cfg.mode, alone), []).append(name)
         self.groups: list[list[str]] = list(by_kind.values())
         self.starts: dict[str, int] = {}
-        bags = []
-        for (dim, mode, alone), names in by_kind.items():
-            sizes, ranks, numbers, start = [], [], [], 0
-            for name in names:
-                layout = self.layouts[name]
-                self.starts[name] = start
-                start += layout.num_rows
-                sizes += list(layout.sizes)
-                ranks += _ranks(placement.get(name, "row"), layout, list(tables).index(name), world, name)
-                numbers += [first[name] + layout.shard_ids(s) for s in range(layout.num_shards)]
-            cls, options = (_GroupBag, {"mode": mode}) if self.pooled else (_GroupRows, {})
-            if alone:
-                table = {"storage": tables[alone].storage, "table_layout": self.layouts[alone]}
-                cls, options = TIERED_GROUPS[cls], {**options, **table}
-            bags.append(
-                cls(
-                    start, dim, Layout.explicit(sizes), sparse=sparse, placement=ranks,
-                    initializer=_Renumbered(init, torch.cat(numbers)), group=group, timeout=timeout, **options,
-                )
-            )  # fmt: skip
-            if alone:  # named as the local collection's table (its optimizer state and checkpoint too)
-                self.replicas.embedding_bags[alone] = bags[-1]
-            else:
-                bags[-1].set_state_dict_form("sharded")  # this rank's shards; tables are saved by the collection
-        self.bags = nn.ModuleList(bags)
+        build = {"tables": tables, "placement": placement, "first": first, "init": init, "sparse": sparse,
+                 "group": group, "timeout": timeout, "world": world}  # fmt: skip
+        self.bags = nn.ModuleList(self._group_table(kind, names, **build) for kind, names in by_kind.items())
+
+    def _group_table(
+        self, kind: tuple[int, str, str], names: list[str], *, tables: dict[str, TableConfig], placement: dict,
+        first: dict[str, int], init: RowInitializer, sparse: bool, group: Any, timeout: float, world: int,
+    ) -> nn.Module:  # fmt: skip
+        """The distributed table of one group: its tables' shards end to end, placed on their ranks."""
+        dim, mode, alone = kind
+        sizes, ranks, numbers, start = [], [], [], 0
+        for name in names:
+            layout = self.layouts[name]
+            self.starts[name] = start
+            start += layout.num_rows
+            sizes += list(layout.sizes)
+            ranks += _ranks(placement.get(name, "row"), layout, list(tables).index(name), world, name)
+            numbers += [first[name] + layout.shard_ids(s) for s in range(layout.num_shards)]
+        cls, options = (_GroupBag, {"mode": mode}) if self.pooled else (_GroupRows, {})
+        if alone:
+            table = {"storage": tables[alone].storage, "table_layout": self.layouts[alone]}
+            cls, options = TIERED_GROUPS[cls], {**options, **table}
+        bag = cls(
+            start, dim, Layout.explicit(sizes), sparse=sparse, placement=ranks,
+            initializer=_Renumbered(init, torch.cat(numbers)), group=group, timeout=timeout, **options,
+        )  # fmt: skip
+        if alone:  # named as the local collection's table (its optimizer state and checkpoint too)
+            self.replicas.embedding_bags[alone] = bag
+        else:
+            bag.set_state_dict_form("sharded")  # this rank's shards; tables are saved by the collection
+        return bag
 
     @property
     def embedding_tables(self) -> tuple[str, ...]:
