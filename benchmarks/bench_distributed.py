@@ -19,12 +19,10 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import socket
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -34,6 +32,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import print_table, zipf_ids
+from _ranks import gloo_ranks
 
 PATHS = ("dense", "sparse", "dtensor")  # the distributed paths; "one process" paths are rank 0's baselines
 
@@ -166,33 +165,12 @@ def _summarise(
     return out
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: object) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
-    try:
-        stats = measure(args.rows, args.dim, args.batch, args.repeats, tuple(args.paths), args.profile)
-        if rank == 0:
-            queue.put(stats)
-        dist.barrier()  # no rank tears its group down while another still works
-    finally:
-        dist.destroy_process_group()
-
-
 def run(
     rows: int, dim: int, batch: int, repeats: int, world: int = 2, paths: tuple[str, ...] = PATHS, profile: bool = True
 ) -> dict:
     """Spawn ``world`` ranks on this machine and return rank 0's :func:`measure` (the guard uses it)."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = argparse.Namespace(rows=rows, dim=dim, batch=batch, repeats=repeats, paths=list(paths), profile=profile)
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.spawn(_worker, args=(world, port, args, queue), nprocs=world, join=True)
-    return queue.get()
+    kwargs = {"rows": rows, "dim": dim, "batch": batch, "repeats": repeats, "paths": tuple(paths), "profile": profile}
+    return gloo_ranks(measure, kwargs, world, threads=max(1, (os.cpu_count() or 1) // world))
 
 
 def main() -> None:

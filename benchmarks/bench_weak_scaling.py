@@ -28,12 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +41,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import print_table, zipf_ids
+from _ranks import gloo_ranks
 
 PATHS = ("dense", "sparse", "fused")
 BAG = 16  # ids per bag of the collection path
@@ -242,37 +241,16 @@ def _gather(times: dict, sent: dict, bound: int, calls: dict) -> dict[str, Any]:
     return out
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)  # weak scaling: one thread per process, baseline and ranks alike
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
-    try:
-        stats = measure(args.rows, args.dim, args.batch, args.repeats, tuple(args.paths))
-        if rank == 0:
-            queue.put(stats)
-        dist.barrier()  # no rank tears its group down while another still works
-    finally:
-        dist.destroy_process_group()
-
-
 def run(
     rows: int, dim: int, batch: int, repeats: int, paths: tuple[str, ...] = PATHS, world: int = 2, fork: bool = False
 ) -> dict:
     """Start ``world`` ranks on this machine and return rank 0's :func:`measure` (the guard uses it).
 
-    ``fork``: the ranks are forks of this process, which must not have run torch ops yet (a fork
-    inherits no usable thread pool); they then import nothing again (seconds, for a quick run).
+    ``fork``: the ranks are forks of this process (see ``_ranks.gloo_ranks``); else spawned.
     """
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = argparse.Namespace(rows=rows, dim=dim, batch=batch, repeats=repeats, paths=list(paths))
-    method = "fork" if fork else "spawn"
-    queue = mp.get_context(method).SimpleQueue()
-    mp.start_processes(_worker, args=(world, port, args, queue), nprocs=world, join=True, start_method=method)
-    return queue.get()
+    kwargs = {"rows": rows, "dim": dim, "batch": batch, "repeats": repeats, "paths": tuple(paths)}
+    # weak scaling: one thread per process, baseline and ranks alike
+    return gloo_ranks(measure, kwargs, world, threads=1, start_method="fork" if fork else "spawn")
 
 
 def ratios(stats: dict, over: str, base: str) -> list[float]:
