@@ -24,3 +24,17 @@ def conformance_cases(name: str, keep=lambda case: True) -> list:
         return [pytest.param(None, marks=pytest.mark.skip(reason=f"conformance cases not found: {path} is absent"))]
     cases = json.loads(path.read_text())
     return [pytest.param(c, id=f"{name.removesuffix('.json')}-{i}") for i, c in enumerate(cases) if keep(c)]
+
+
+@pytest.fixture
+def one_rank():
+    """A default process group of one rank (gloo, in this process), removed afterwards."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

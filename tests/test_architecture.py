@@ -225,20 +225,6 @@ def test_the_twins_keep_their_public_isinstance_relations() -> None:
     assert not issubclass(ShardedEmbedding, nn.EmbeddingBag) and not issubclass(ShardedEmbeddingBag, nn.Embedding)
 
 
-@pytest.fixture
-def one_rank():
-    """A default process group of one rank (gloo, in this process), removed afterwards."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_distributed_modules_are_their_local_modules(one_rank) -> None:
     """Built, a distributed module (and a distributed collection's group table) is an instance of the local
     sharded module and of the torch module both replace, with the exchange on its store."""

@@ -7,29 +7,22 @@ cache forgotten); training then goes on exactly as in memory.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
 import torch
 
 import shardvar
+from helpers import TIERED_DIM, TIERED_ROWS, tiered_bag, train_bags
 from shardvar import optim
-from shardvar.tiered import _views, cache_bytes_for
+from shardvar.tiered import _views
 
-ROWS, DIM = 50, 4
-
-
-def _tiered(tmp_path, name="t.rows", seed=0, cache_rows=10, partitions=()):
-    torch.manual_seed(seed)
-    storage = shardvar.Tiered(tmp_path / name, cache_bytes=cache_bytes_for(cache_rows, DIM, rows=ROWS, state_width=1))
-    return shardvar.ShardedEmbeddingBag(ROWS, DIM, *partitions, mode="sum", sparse=True, storage=storage)
+ROWS, DIM = TIERED_ROWS, TIERED_DIM
 
 
-def _train(module, steps=8, seed=2):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        ids = (torch.rand(8, generator=g) ** 2 * ROWS).long()
-        module(ids, torch.tensor([0, 3, 5])).square().sum().backward()
+_tiered = tiered_bag
+_train = functools.partial(train_bags, steps=8, seed=2)
 
 
 def _fused(module):

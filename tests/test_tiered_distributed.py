@@ -139,20 +139,6 @@ def test_checkpoints_go_from_tiered_to_ram_and_back(ranks):
     assert torch.equal(opt.tables[0].slot_variable("sum").join(), _joined(state))
 
 
-@pytest.fixture
-def one_rank():
-    """A default process group of one rank (gloo, in this process), removed afterwards."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("cls", [shardvar.DistributedEmbedding, shardvar.distributed.DistributedEmbeddingBag])
 def test_one_rank_holding_every_shard_still_serves_them_from_its_file(tmp_path, one_rank, cls):
     cache = cache_bytes_for(5, DIM, rows=ROWS, state_width=1, read_ahead=0.0)  # RowWiseAdagrad: one sum a row

@@ -11,6 +11,7 @@ trains, saves, and loads.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import shutil
 import subprocess
@@ -19,23 +20,15 @@ import pytest
 import torch
 
 import shardvar
+from helpers import TIERED_DIM, TIERED_ROWS, tiered_bag, train_bags
 from shardvar import optim
-from shardvar.tiered import BackingFileError, _shadow, cache_bytes_for
+from shardvar.tiered import BackingFileError, _shadow
 
-ROWS, DIM = 50, 4
-
-
-def _tiered(folder, partitions=(), seed=5, name="t.rows"):
-    torch.manual_seed(seed)
-    storage = shardvar.Tiered(folder / name, cache_bytes=cache_bytes_for(10, DIM, rows=ROWS, state_width=1))
-    return shardvar.ShardedEmbeddingBag(ROWS, DIM, *partitions, mode="sum", sparse=True, storage=storage)
+ROWS, DIM = TIERED_ROWS, TIERED_DIM
 
 
-def _train(module, steps=3, seed=2):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        ids = (torch.rand(8, generator=g) ** 2 * ROWS).long()
-        module(ids, torch.tensor([0, 3, 5])).square().sum().backward()
+_tiered = functools.partial(tiered_bag, seed=5)
+_train = functools.partial(train_bags, steps=3, seed=2)
 
 
 def _snapshot(tiered):
@@ -103,7 +96,7 @@ def test_a_load_failing_part_way_leaves_the_tiered_table_exactly_as_it_was(tmp_p
     _train(ref, steps=8)
     shardvar.save({"model": ref, "opt": ref_opt}, tmp_path / "ckpt")
     (tmp_path / "rows").mkdir()
-    tiered = _tiered(tmp_path / "rows", partitions)
+    tiered = _tiered(tmp_path / "rows", partitions=partitions)
     opt = optim.RowWiseAdagrad(tiered, lr=0.1)
     optim.fuse(opt)
     _train(tiered, seed=7)  # other rows than the checkpoint's; a warm cache
