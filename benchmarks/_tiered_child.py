@@ -168,6 +168,7 @@ def tiered(folder: Path, args: dict) -> dict:
     peaks["closed"] = peak_rss()
     return {"made_s": made, "prefill_s": prefill, "record_bytes": file.layout.record_bytes, "disk": disk,
             "queue_depth": storage.queue_depth, "runs": runs, "capacity_rows": stats["capacity_rows"],
+            "bookkeeping_bytes": stats["bookkeeping_bytes"],
             "peak_rss": peak_rss(), "peak_rss_after": peaks}  # fmt: skip
 
 

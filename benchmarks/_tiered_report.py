@@ -42,6 +42,8 @@ def _summary(config: dict, memory: dict, tiered: dict, counts: dict | None) -> l
                   f"with state: {tiered['record_bytes']} B records)"),
         ("batch", f"{config['batch']} bags x {config['bag']} ids, sum, fused RowWiseAdagrad"),
         ("cache / cap", f"{config['cache_bytes'] / MIB:.0f} MiB ({tiered['capacity_rows']} rows) / {cap}"),
+        ("cache bookkeeping (outside the cache: index, per-slot records)",
+         f"{tiered.get('bookkeeping_bytes', 0) / MIB:.0f} MiB"),
         ("made (file filled, widened)", f"{tiered['made_s']:.1f} s"),
         ("peak RSS / (cache + 512 MiB)", f"{rss / MIB:.0f} / {bound / MIB:.0f} MiB: "
                                          + ("within" if rss <= bound else "OVER")),
@@ -81,7 +83,8 @@ def report(config: dict, memory: dict, tiered: dict, counts: dict | None) -> dic
     depth = {d["queue_depth"]: d for d in tiered["disk"]}
     return {"config": config, "record_bytes": tiered["record_bytes"], "capacity_rows": tiered["capacity_rows"],
             "made_s": tiered["made_s"], "prefill_s": tiered["prefill_s"], "peak_rss": tiered["peak_rss"],
-            "peak_rss_after": tiered["peak_rss_after"], "memory_peak_rss": memory["peak_rss"],
+            "peak_rss_after": tiered["peak_rss_after"], "bookkeeping_bytes": tiered.get("bookkeeping_bytes"),
+            "memory_peak_rss": memory["peak_rss"],
             "rss_bound": config["cache_bytes"] + SLACK,
             "cgroup": counts, "disk": {str(k): v for k, v in depth.items()}, "tier_queue_depth": tiered["queue_depth"],
             "runs": runs, "floor_goal": FLOOR_GOAL}  # fmt: skip

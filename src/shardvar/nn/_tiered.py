@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .._errors import ShardvarIndexError, ShardvarTypeError, ShardvarValueError
-from ..variables import RowTier, TableStorage, functional
+from ..variables import Part, RowTier, TableStorage, check_bag, check_weights, functional, sparse_bags
 from ._collection_build import pieces
 
 __all__ = ["TieredTable", "tiered_blocks", "to_sink", "unfused"]
@@ -199,6 +199,10 @@ def forward_embedding(module: Any, input: torch.Tensor) -> torch.Tensor:
 
 
 def forward_bag(module: Any, input: torch.Tensor, offsets: Any, per_sample_weights: Any) -> torch.Tensor:
+    if module.mode != "max" and not (module.scale_grad_by_freq or module.include_last_offset) and (
+        module.padding_idx is None
+    ):
+        return _slot_bags(module, input, offsets, per_sample_weights)
     rows, positions, pad = module._rows(input)
     return functional.embedding_bag_rows(
         positions,
@@ -213,3 +217,29 @@ def forward_bag(module: Any, input: torch.Tensor, offsets: Any, per_sample_weigh
         module.include_last_offset,
         pad,
     )
+
+
+def _slot_bags(module: Any, input: torch.Tensor, offsets: Any, weights: Any) -> torch.Tensor:
+    """Sum or mean bags straight over the cache's slots, the gradient summed per slot (the sparse product,
+    ``variables._bag_grad``) and handed to the sink a slice at a time: an in-memory bag's work and sums,
+    with no copy of the batch's rows and no gradient row per id."""
+    ids = _checked_ids(input, module.num_embeddings)
+    bag_offsets = check_bag(ids, offsets, False)
+    weights = check_weights(weights, ids, module.mode, module.lookup_dtype)  # all checked before the cache moves
+    grad = torch.is_grad_enabled() and module.tiered_rows.requires_grad
+    tier = module.tier
+    slots, token = tier.resolve(ids, grad=grad)
+    if slots.dim() == 2:  # fixed-size bags: each bag's first id
+        bag_offsets = torch.arange(slots.shape[0]) * slots.shape[1]
+        slots, weights = slots.reshape(-1), None if weights is None else weights.reshape(-1)
+    bag_offsets = bag_offsets.to(slots.dtype)
+    if not grad:
+        return torch.nn.functional.embedding_bag(slots, tier.values, bag_offsets, mode=module.mode,
+                                                 per_sample_weights=weights)  # fmt: skip
+    # the sink keeps the token: the batch's rows stay in their slots until its backward ran
+    part = Part(0, tier.values.shape[0], lambda rows, summed: _hand_over(tier, token, rows, summed))
+    return sparse_bags(tier.values, module.mode, [part], ([slots], [bag_offsets], [weights]), (module.tiered_rows,))[0]
+
+
+def _hand_over(tier: RowTier, token: Any, slots: torch.Tensor, summed: torch.Tensor) -> None:
+    to_sink(tier, slots, summed)  # distinct slots, ascending: nothing left to sum

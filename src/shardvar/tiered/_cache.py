@@ -3,8 +3,8 @@
 The cache holds ``capacity`` rows as one ``[capacity, dim]`` tensor (``values``: the weight a
 lookup runs on, ids mapped to slots) and their state (``state``), with per slot the id held, the
 step it was last used, how often, and whether it changed since it was read (``dirty``). Which
-slot holds an id is the dynamic tables' hash index (vectorised linear probing, no Python loop
-over ids); which rows leave when room is needed is an LRU or LFU policy, ties to the lower slot.
+slot holds an id, and which rows leave when room is needed (an LRU or LFU policy, ties to the lower
+slot), is ``_slots``' bookkeeping: a gather and a scatter per step, and a linear radix select.
 
 ``resolve`` brings a batch's distinct ids in: hits are marked used first, so they are never the
 ones evicted for the batch's misses; victims that changed are written back before their slots
@@ -27,8 +27,8 @@ import torch
 
 from .._errors import ShardvarValueError
 from .._validate import check_choice, check_int
-from ..dynamic import HashIndex, mix64
 from ._file import RowFile
+from ._slots import slot_index, victims
 
 __all__ = ["RowCache", "CacheStats", "POLICIES", "STAGING_ROWS"]
 
@@ -95,11 +95,15 @@ class RowCache:
         self.file, self.layout = file, layout
         self.values = torch.zeros((capacity, layout.dim), dtype=layout.torch_dtype)
         self.state = torch.zeros((capacity, layout.state_width), dtype=torch.float32)
-        self.key = torch.full((capacity,), -1, dtype=torch.int64)
-        self.used = torch.zeros(capacity, dtype=torch.int64)  # the step each slot was last used
-        self.count = torch.zeros(capacity, dtype=torch.int64)
+        # Per slot, outside cache_bytes (it holds no row): 32-bit where the numbers fit, since a cache of
+        # millions of slots pays for every byte here (int32 steps and counts last 2**31 steps).
+        wide = layout.rows > torch.iinfo(torch.int32).max
+        self.key = torch.full((capacity,), -1, dtype=torch.int64 if wide else torch.int32)
+        self.used = torch.zeros(capacity, dtype=torch.int32)  # the step each slot was last used
+        self.count = torch.zeros(capacity, dtype=torch.int32)
         self.dirty = torch.zeros(capacity, dtype=torch.bool)
-        self.index = HashIndex(HashIndex.allocate(1, capacity), 1)
+        self.index = slot_index(layout.rows, capacity)
+        self.free = torch.arange(capacity)  # the slots holding no row, ascending
         self.step = 0
         self.stats = CacheStats()
         self.lock = threading.Lock()  # guards the slots and the index (a prefetch thread reads them)
@@ -127,12 +131,20 @@ class RowCache:
         """Records read ahead and held now (at most ``reserve``)."""
         return sum(s.ids.numel() for s in self._staged)
 
-    def _home(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.index.start(mix64(ids), torch.zeros_like(ids))
+    @property
+    def bookkeeping_bytes(self) -> int:
+        """RAM the cache keeps besides rows and state (outside ``cache_bytes``): its index and per-slot records."""
+        return self.index.nbytes + sum(t.nbytes for t in (self.key, self.used, self.count, self.dirty))
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """The slot of each id (-1: not in the cache); changes nothing."""
-        return self.index.find(ids, self._home(ids))[0]
+        if ids.numel():
+            self._check(int(ids.min()), int(ids.max()))
+        return self.index.find(ids)
+
+    def _check(self, low: int, high: int) -> None:
+        if low < 0 or high >= self.layout.rows:  # the file's own message: the index holds no row past it
+            raise ShardvarValueError(f"row ids must be in [0, {self.layout.rows}); got {low}..{high}")
 
     def resolve(self, ids: torch.Tensor, *, protect_since: int | None = None) -> torch.Tensor:
         """The slot of each of ``ids`` (any shape, repeats allowed), bringing missing rows in.
@@ -141,56 +153,56 @@ class RowCache:
         are kept (default: this step's only).
         """
         with self.lock:
-            distinct, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+            flat = ids.reshape(-1)
+            if flat.numel():
+                self._check(int(flat.min()), int(flat.max()))
             step = self.step + 1
-            slots = self._resolve(distinct, step, step if protect_since is None else protect_since)
-            return slots[inverse].view(ids.shape)
+            return self._resolve(flat, step, step if protect_since is None else protect_since).view(ids.shape)
 
-    def _resolve(self, distinct: torch.Tensor, step: int, protect_since: int) -> torch.Tensor:
-        home = self._home(distinct)
-        slot, _ = self.index.find(distinct, home)
-        hit = slot >= 0
-        missing = (~hit).nonzero().squeeze(1)
-        free = (self.key < 0).nonzero().squeeze(1)
-        short = missing.numel() - free.numel()
-        kept = (self.used >= protect_since) & (self.key >= 0)
-        kept[slot[hit]] = True
-        if short > 0 and short > int((~kept & (self.key >= 0)).sum()):
-            needed = distinct.numel() + int(((self.used >= protect_since) & (self.key >= 0)).sum())
-            per_row = self.values[:1].nbytes + self.state[:1].nbytes
-            besides = self.nbytes - self.capacity * per_row  # the read-ahead reserve and the staging area
-            budget = self.bytes_for(needed) if self.bytes_for else needed * per_row + besides
-            raise ShardvarValueError(
-                f"the row cache holds {self.capacity} rows; this batch needs {distinct.numel()} distinct rows "
-                f"and {needed - distinct.numel()} more are held for a batch in flight: give it at least "
-                f"{needed} rows (cache_bytes={budget}, with its read-ahead and staging records)"
-            )
+    def _resolve(self, ids: torch.Tensor, step: int, protect_since: int) -> torch.Tensor:
+        # Every id is looked up (a gather), and only the misses are made distinct: a sort of the
+        # batch's few misses where one of the whole batch would cost more than the rest of the step.
+        slot = self.index.find(ids)  # (checked in range by the caller)
+        missed = slot < 0
+        new_ids, inverse = torch.unique(ids[missed], return_inverse=True)
+        hits = slot[~missed]  # repeats included: the updates below write each slot's one value
+        short = new_ids.numel() - self.free.numel()
+        chosen = None
+        if short > 0:  # room is made from rows used before ``protect_since``, none of this batch's
+            used = self.used.clone()
+            used[hits] = step
+            used[self.free] = step
+            if short > int((used < protect_since).sum()):
+                self._refuse(ids, protect_since)
+            chosen = victims(self.policy, used, self.count, short, protect_since)
         self.step = step  # checked: from here on the cache changes
-        self.used[slot[hit]] = step
-        self.count[slot[hit]] += 1
-        self.stats.hits += int(hit.sum())
-        if missing.numel() == 0:
+        held = torch.zeros(self.capacity, dtype=torch.bool).index_fill_(0, hits, True)
+        self.used.masked_fill_(held, step)
+        self.count += held
+        self.stats.hits += int(held.sum())
+        if new_ids.numel() == 0:
             return slot
-        if short > 0:
-            candidates = (~kept & (self.key >= 0)).nonzero().squeeze(1)
-            self._evict(candidates[self._lowest(candidates, short)])
-            free = (self.key < 0).nonzero().squeeze(1)
-        new_ids, new_slots = distinct[missing], free[: missing.numel()]
+        if chosen is not None:
+            self._evict(chosen)
+        new_slots = self.free[: new_ids.numel()]
         self._bring(new_slots, new_ids)
-        self.index.insert(new_ids, home[missing], new_slots)
-        slot[missing] = new_slots
-        self.stats.misses += missing.numel()
+        self.free = self.free[new_ids.numel() :].clone()  # not a view: the first fill's arange is let go
+        self.index.insert(new_ids, new_slots)
+        slot[missed] = new_slots[inverse]
+        self.stats.misses += new_ids.numel()
         return slot
 
-    def _lowest(self, candidates: torch.Tensor, k: int) -> torch.Tensor:
-        """Positions of the ``k`` candidates the policy would give up first (ties: lower slot)."""
-        used = self.used[candidates]
-        if self.policy == "lfu":  # fewest uses, then least recent; candidates ascend, so stable sorts tie by slot
-            order = torch.sort(used, stable=True).indices
-            order = order[torch.sort(self.count[candidates][order], stable=True).indices]
-        else:
-            order = torch.sort(used, stable=True).indices
-        return order[:k]
+    def _refuse(self, ids: torch.Tensor, protect_since: int) -> None:
+        distinct = torch.unique(ids)
+        needed = distinct.numel() + int(((self.used >= protect_since) & (self.key >= 0)).sum())
+        per_row = self.values[:1].nbytes + self.state[:1].nbytes
+        besides = self.nbytes - self.capacity * per_row  # the read-ahead reserve and the staging area
+        budget = self.bytes_for(needed) if self.bytes_for else needed * per_row + besides
+        raise ShardvarValueError(
+            f"the row cache holds {self.capacity} rows; this batch needs {distinct.numel()} distinct rows "
+            f"and {needed - distinct.numel()} more are held for a batch in flight: give it at least "
+            f"{needed} rows (cache_bytes={budget}, with its read-ahead and staging records)"
+        )
 
     def _bring(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
         """Fill ``slots`` with the records of missing ``ids`` (ascending): read ahead where current, else read now."""
@@ -202,21 +214,21 @@ class RowCache:
         rest = todo.nonzero().squeeze(1)
         self._through_staging(slots[rest], lambda a, b, out, i=ids[rest]: self.file.read_into(i[a:b], out))
         self.stats.prefetched += ids.numel() - rest.numel()
-        self.key[slots] = ids
+        self.key[slots] = ids.to(self.key.dtype)
         self.used[slots] = self.step
         self.count[slots] = 1
         self.dirty[slots] = False
 
     def _evict(self, slots: torch.Tensor) -> None:
-        """Give up ``slots``, writing back the rows that changed since they were read."""
+        """Give up ``slots`` (ascending), writing back the rows that changed since they were read."""
         self._write_back(slots[self.dirty[slots]])
-        _, where = self.index.find(self.key[slots], self._home(self.key[slots]))
-        self.index.remove(where)
+        self.index.remove(self.key[slots].to(torch.int64))
         self.key[slots] = -1
+        self.free = torch.cat([self.free, slots]).sort().values
         self.stats.evictions += slots.numel()
         if self.index.needs_rebuild():
             held = (self.key >= 0).nonzero().squeeze(1)
-            self.index.rebuild(self.key[held], self._home(self.key[held]), held)
+            self.index.rebuild(self.key[held].to(torch.int64), held)
 
     def _through_staging(self, slots: torch.Tensor, fill: Callable[[int, int, torch.Tensor], None]) -> None:
         """Fill ``slots``: ``fill(a, b, out)`` puts records ``[a, b)`` in the staging area, then into ``slots[a:b]``."""
@@ -230,7 +242,7 @@ class RowCache:
 
     def _write_back(self, slots: torch.Tensor) -> None:
         if slots.numel():
-            ids, order = torch.sort(self.key[slots])
+            ids, order = torch.sort(self.key[slots].to(torch.int64))
             slots = slots[order]
             for a in range(0, slots.numel(), self.staging.shape[0]):  # through the staging area, in id order
                 b = min(slots.numel(), a + self.staging.shape[0])
@@ -256,6 +268,8 @@ class RowCache:
         """
         with self.lock:
             distinct = torch.unique(ids.reshape(-1))
+            if distinct.numel():
+                self._check(int(distinct[0]), int(distinct[-1]))
             # the last set is kept while its batch may still want it; one whose rows are all in the slots is spent
             kept = [s for s in self._staged[-1:] if bool((self.lookup(s.ids) < 0).any())]
             if self.reserve is not None:  # every staged record together stays within the reserve

@@ -357,7 +357,8 @@ class TieredRows:
         self._closer = weakref.finalize(self, _close, self.cache, self.file)
 
     def cache_stats(self) -> dict[str, float]:
-        """Hit rate, hits, misses, evictions, rows written back, bytes read and written, capacity."""
+        """Hit rate, hits, misses, evictions, rows written back, bytes read and written, capacity, and the bytes
+        the cache keeps outside ``cache_bytes`` (its index and per-slot records: ``bookkeeping_bytes``)."""
         s = self.cache.stats
         return {
             "hit_rate": s.hit_rate,
@@ -371,6 +372,7 @@ class TieredRows:
             "capacity_rows": self.cache.capacity,
             "read_ahead_rows": self.cache.reserve or 0,
             "cache_bytes": self.cache.nbytes,
+            "bookkeeping_bytes": self.cache.bookkeeping_bytes,
         }
 
     def peek(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -174,6 +174,7 @@ class _SparseBags(torch.autograd.Function):
             if grad is not None:  # None: the sinks took every row, as they take an unsharded table's
                 params = (grad,) if ctx.split is None else tuple(ctx.split(grad))
         ctx.reading = None  # the store's rows may move again (see ``variables._autograd.reading``)
+        ctx.parts = None  # and what the sinks hold (a tier's token: its batch's rows stay put until here) goes
         return None, None, None, None, *([None] * (2 * n)), *learned, *params
 
 

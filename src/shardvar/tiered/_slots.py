@@ -1,0 +1,142 @@
+"""Which cache slot holds a row, and which slots a policy gives up first: the cache's bookkeeping.
+
+A cache resolves every batch's distinct ids to slots, and every miss takes a slot from a row the
+policy gives up. Both run once per step over the batch or the slots, so both are vectorised and
+linear: no probing loop, no sort of the slots.
+
+* :class:`DirectSlots` maps a row to its slot through one int32 per row of the file (-1: not held):
+  a lookup is a gather, an insert or removal a scatter. :class:`HashedSlots` keeps the dynamic
+  tables' hash index instead (two int64 per bucket, two to four buckets per slot), which is the
+  smaller one when the cache holds few of the file's rows (under ~1/16). :func:`slot_index`
+  picks the direct map unless it takes over twice the memory: that memory is outside
+  ``cache_bytes`` (it holds no row), and the direct map is several times faster.
+* :func:`smallest` finds the ``k`` slots of least priority (ties: lower slot) by a radix select
+  over ``torch.bincount`` (16 bits a pass, one pass when priorities span fewer than 65536
+  values, as steps do), where a sort of the slots would cost ten times as much per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..dynamic import HashIndex, mix64
+from ..dynamic._index import buckets_for
+
+__all__ = ["DirectSlots", "HashedSlots", "slot_index", "smallest", "victims"]
+
+_BITS = 16  # bins per pass of the radix select: 2**16 counts, a fraction of a millisecond
+
+
+class DirectSlots:
+    """The slot of every row of a ``rows``-row file, -1 where the cache does not hold it."""
+
+    def __init__(self, rows: int, capacity: int) -> None:
+        dtype = torch.int32 if capacity <= torch.iinfo(torch.int32).max else torch.int64
+        self.table = torch.full((rows,), -1, dtype=dtype)
+
+    @staticmethod
+    def bytes_for(rows: int, capacity: int) -> int:
+        return rows * (4 if capacity <= torch.iinfo(torch.int32).max else 8)
+
+    @property
+    def nbytes(self) -> int:
+        return self.table.nbytes
+
+    def find(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.index_select(0, ids).to(torch.int64)
+
+    def insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        self.table.index_put_((ids,), slots.to(self.table.dtype))
+
+    def remove(self, ids: torch.Tensor) -> None:
+        self.table.index_fill_(0, ids, -1)
+
+    def rebuild(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        self.table.fill_(-1)
+        self.insert(ids, slots)
+
+    def needs_rebuild(self) -> bool:
+        return False
+
+
+class HashedSlots:
+    """The slots of held rows in the dynamic tables' :class:`HashIndex` (open addressing, one shard)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.index = HashIndex(HashIndex.allocate(1, capacity), 1)
+
+    @staticmethod
+    def bytes_for(capacity: int) -> int:
+        return 16 * buckets_for(capacity)  # a (key, slot) pair of int64 per bucket
+
+    @property
+    def nbytes(self) -> int:
+        return self.index.table.nbytes
+
+    def _home(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.index.start(mix64(ids), torch.zeros_like(ids))
+
+    def find(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.index.find(ids, self._home(ids))[0]
+
+    def insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        self.index.insert(ids, self._home(ids), slots)
+
+    def remove(self, ids: torch.Tensor) -> None:
+        self.index.remove(self.index.find(ids, self._home(ids))[1])
+
+    def rebuild(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        self.index.rebuild(ids, self._home(ids), slots)
+
+    def needs_rebuild(self) -> bool:
+        return self.index.needs_rebuild()
+
+
+def slot_index(rows: int, capacity: int) -> DirectSlots | HashedSlots:
+    """The index of ``capacity`` slots over a ``rows``-row file: the direct map unless it takes more than twice
+    the hash index's memory (it is several times faster: a gather, where the hash index probes in rounds)."""
+    if DirectSlots.bytes_for(rows, capacity) <= 2 * HashedSlots.bytes_for(capacity):
+        return DirectSlots(rows, capacity)
+    return HashedSlots(capacity)
+
+
+def smallest(priority: torch.Tensor, k: int, above: int) -> torch.Tensor:
+    """Positions (ascending) of the ``k`` smallest of ``priority`` below ``above``, ties to the lower position.
+
+    ``priority`` holds non-negative integers; those at or above ``above`` are never chosen, and at
+    least ``k`` are below it (the caller checked)."""
+    if k <= 0:
+        return torch.empty(0, dtype=torch.int64)
+    threshold = _kth(priority.clamp(max=above), k)
+    below = (priority < threshold).nonzero().squeeze(1)
+    ties = (priority == threshold).nonzero().squeeze(1)[: k - below.numel()]
+    return torch.cat([below, ties]).sort().values
+
+
+def _kth(values: torch.Tensor, k: int) -> int:
+    """The ``k``-th smallest (1-based) of non-negative integer ``values``: a radix select, ``_BITS`` a pass."""
+    shift = max(0, int(values.max()).bit_length() - _BITS)
+    found = 0
+    while True:
+        digits = values >> shift if shift else values
+        counts = torch.bincount(digits).cumsum_(0)
+        digit = int(torch.searchsorted(counts, k))  # the first digit whose count reaches k
+        k -= int(counts[digit - 1]) if digit else 0
+        found += digit << shift
+        if shift == 0:
+            return found
+        values = values[digits == digit] - (digit << shift)
+        shift = max(0, shift - _BITS)
+
+
+def victims(policy: str, used: torch.Tensor, count: torch.Tensor, k: int, since: int) -> torch.Tensor:
+    """The ``k`` slots a policy gives up first (ascending) among those with ``used < since``: ``"lru"`` the
+    least recently used, ``"lfu"`` the least often used, then the least recently; ties to the lower slot."""
+    if policy == "lru":
+        return smallest(used, k, since)
+    held = used < since
+    uses = torch.where(held, count, int(count.max()) + 1)
+    fewest = _kth(uses, k)
+    sure = (uses < fewest).nonzero().squeeze(1)
+    tied = torch.where(uses == fewest, used, since)
+    return torch.cat([sure, smallest(tied, k - sure.numel(), since)]).sort().values
