@@ -108,7 +108,7 @@ def chunks(args: dict, w: int) -> list[tuple[str, slice]]:
 def probe(file: RowFile, reads: int, depth: int, seed: int) -> dict[str, float]:
     """Random reads of whole records per second through ``RowFile.read`` with ``depth`` in flight.
 
-    The tier's own read path (sorted ids cut across ``depth`` threads, one ``preadv`` per record) on
+    The tier's own read path (sorted ids, consecutive ones in one call, ``depth`` reads in flight) on
     its own file, after dropping that file from the page cache: what a miss costs on this disk.
     """
     os.fsync(file.fd)  # dirty pages cannot be dropped

@@ -23,6 +23,7 @@ BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
         ("bench_optim.py", ["RowWiseAdagrad vs SparseAdam", "RowWiseAdagrad state / table", "peak of 3 steps"]),
         ("bench_fused_step.py", ["step ratio", "build peak / tables", "adam, 8 shard(s)"]),
         ("bench_distributed.py", ["2 ranks, dense", "2 ranks, dtensor", "one process, sparse", "x the bound"]),
+        ("bench_tiered_io.py", ["first compile of the kernel", "read 1024", "write 256", "python / native"]),
         ("bench_tf_lookup.py", ["shardvar, switch on / F.embedding, switch off", "TensorFlow skipped: no --tf-python"]),
     ],
 )

@@ -39,11 +39,11 @@ class _Audit:
         self.table, self.moves, self.peak, self.errors = table, 0, 0, []
 
     def __call__(self, transfer):
-        def audited(file, ids, buffer, call):
+        def audited(file, ids, buffer, **how):
             cache = self.table.tier.cache
             if file is cache.file:
                 self.check(cache, buffer)
-            return transfer(file, ids, buffer, call)
+            return transfer(file, ids, buffer, **how)
 
         return audited
 

@@ -237,14 +237,18 @@ def test_staged_records_never_exceed_the_reserve(tmp_path, reserve):
         assert cache.stats.prefetched == last and (last > 0) == (reserve > 1)
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("nowait", [True, False])
 @pytest.mark.parametrize("cached", [True, False])
-def test_reads_are_the_records_whether_the_page_cache_serves_them_or_the_disk(tmp_path, monkeypatch, nowait, cached):
-    """Reads the page cache holds are served at once (``RWF_NOWAIT``), the others by the pool's threads:
-    the same records either way, also without ``RWF_NOWAIT`` and with the file dropped from the cache."""
+def test_reads_are_the_records_whether_the_page_cache_serves_them_or_the_disk(tmp_path, monkeypatch, nowait, cached, native):
+    """Reads the page cache holds are served at once (``RWF_NOWAIT``), the others by I/O threads: the
+    same records either way, also without ``RWF_NOWAIT``, with the file dropped from the cache, and
+    through the native kernel or the Python path."""
     import shardvar.tiered._file as file_module
 
     f = _file(tmp_path, rows=300, dim=5)
+    if not native:
+        f._native = None
     ids = torch.randperm(300, generator=torch.Generator().manual_seed(1))[:120]
     want = f.read(ids)
     monkeypatch.setattr(file_module, "_NOWAIT", nowait and file_module._NOWAIT)

@@ -8,9 +8,12 @@ marks it in use (``clean: false``) and only ``close()`` marks it clean again, so
 process left is refused instead of silently trained on; an exclusive ``flock`` keeps a second
 process out while it is open.
 
-Reads and writes are ``os.preadv`` / ``os.pwritev`` of whole records issued from a pool of
-threads: a miss on disk costs a random read, and a disk serves many at once only when many are
-in flight (queue depth), which one thread cannot give. Consecutive records go in one call.
+Reads and writes move whole records, consecutive ones in one call. A read the page cache holds
+is made at once on the calling thread (``RWF_NOWAIT``); the others, and the writes, go to
+``queue_depth`` threads: a miss on disk costs a random read, and a disk serves many at once only
+when many are in flight, which one thread cannot give. The native kernel (``_native.py``, compiled
+on first use) does this without the interpreter's lock; without it the same is done in Python
+(``os.preadv`` / ``os.pwritev``, a pool of threads), with the same bytes and the same errors.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 
 from .._errors import ShardvarError, ShardvarValueError
 from .._validate import check_int
+from . import _native
 
 __all__ = ["RowFile", "RecordLayout", "BackingFileError"]
 
@@ -103,6 +107,7 @@ class RowFile:
         if hasattr(os, "posix_fadvise"):  # rows are read where ids fall: the kernel's read-ahead of a page's
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # neighbours would only evict other rows' pages
         self._pool = ThreadPoolExecutor(max_workers=queue_depth, thread_name_prefix="shardvar-io")
+        self._native = _native.kernel()  # None: the Python path (no compiler, SHARDVAR_NATIVE=0)
         self.bytes_read = self.bytes_written = 0
         self.inline = False  # transfer on the calling thread (a finalizer: the pool's locks may be held)
 
@@ -202,7 +207,7 @@ class RowFile:
         order = np.argsort(order_ids, kind="stable")
         sorted_ids = order_ids[order]
         out = torch.empty((sorted_ids.size, self.layout.record_bytes), dtype=torch.uint8)
-        self._transfer(sorted_ids, out.numpy(), os.preadv)
+        self._transfer(sorted_ids, out.numpy(), write=False)
         self.bytes_read += out.numel()
         if np.all(order[:-1] < order[1:]):
             return out
@@ -218,52 +223,73 @@ class RowFile:
             raise ShardvarValueError(f"records must be {expected}; got {records.dtype} {list(records.shape)}")
         order = np.argsort(raw, kind="stable")
         data = records.contiguous().numpy()
-        self._transfer(raw[order], data[order] if raw.size > 1 else data, os.pwritev)
+        self._transfer(raw[order], data[order] if raw.size > 1 else data, write=True)
         self.bytes_written += records.numel()
 
     def read_into(self, ids: torch.Tensor, out: torch.Tensor) -> None:
         """Read the records of ascending, distinct ``ids`` into ``out`` (contiguous ``[len(ids), record_bytes]``
         uint8, e.g. a cache's staging area): no buffer of its own."""
         raw = self._check_ids(ids)
-        self._transfer(raw, out.numpy(), os.preadv)
+        self._transfer(raw, self._check_buffer(out, raw.size, "out"), write=False)
         self.bytes_read += out.numel()
 
     def write_from(self, ids: torch.Tensor, records: torch.Tensor) -> None:
         """Write ``records`` (contiguous, one per id) as the records of ascending, distinct ``ids``; no copy."""
         raw = self._check_ids(ids)
-        self._transfer(raw, records.numpy(), os.pwritev)
+        self._transfer(raw, self._check_buffer(records, raw.size, "records"), write=True)
         self.bytes_written += records.numel()
 
-    def _transfer(self, ids: np.ndarray, buffer: np.ndarray, call: Callable) -> None:
+    def _check_buffer(self, buffer: torch.Tensor, n: int, name: str) -> np.ndarray:
+        """``buffer`` as the array a transfer reads or writes in place: contiguous uint8 ``[n, record_bytes]``."""
+        shape = (n, self.layout.record_bytes)
+        if buffer.dtype != torch.uint8 or buffer.shape != shape or buffer.device.type != "cpu":
+            got = f"{buffer.dtype} {list(buffer.shape)} on {buffer.device}"
+            raise ShardvarValueError(f"{name} must be a CPU uint8 tensor {list(shape)}; got {got}")
+        if not buffer.is_contiguous():  # the transfer reads or writes its memory in place
+            raise ShardvarValueError(f"{name} must be contiguous; got strides {buffer.stride()}")
+        return buffer.numpy()
+
+    def _transfer(self, ids: np.ndarray, buffer: np.ndarray, *, write: bool) -> None:
         """Move whole records between ``buffer`` (one row per id, ascending ids) and the file."""
-        runs = _runs(ids)
-        if not runs:
+        if ids.size == 0:
             return
-        size = self.layout.record_bytes
+        try:
+            if self._native is not None:  # a finalizer (``inline``) starts no thread
+                depth = 1 if self.inline else self.queue_depth
+                ids, size = np.ascontiguousarray(ids, dtype=np.int64), self.layout.record_bytes
+                self._native.transfer(self.fd, ids, buffer, size, HEADER, write, _NOWAIT, depth)
+            else:
+                self._transfer_python(ids, buffer, write)
+        except OSError as e:
+            what = "write to" if write else "read from"
+            raise BackingFileError(f"cannot {what} backing file {str(self.path)!r}: {e.strerror or e}") from None
+
+    def _transfer_python(self, ids: np.ndarray, buffer: np.ndarray, write: bool) -> None:
+        runs, size = _runs(ids), self.layout.record_bytes
+        call = os.pwritev if write else os.preadv
 
         def work(part: list[tuple[int, int, int]]) -> None:
             for pos, first, count in part:
-                view = memoryview(buffer[pos : pos + count]).cast("B")
-                done = call(self.fd, [view], HEADER + first * size)
-                if done != count * size:
-                    raise OSError(errno.EIO, f"short {call.__name__}: {done} of {count * size} bytes")
+                view, at = memoryview(buffer[pos : pos + count]).cast("B"), HEADER + first * size
+                done = 0
+                while done < len(view):  # short only at the end of the file (or past 2 GiB): go on from there
+                    step = call(self.fd, [view[done:]], at + done)
+                    if step == 0:
+                        raise _native.short_transfer(write, at + done)
+                    done += step
 
-        try:
-            if call is os.preadv and _NOWAIT:
-                runs = self._cached(runs, buffer, size)  # the rest must wait for the disk: many in flight
-                if not runs:
-                    return
-            per = -(-len(runs) // self.queue_depth)
-            parts = [runs[i : i + per] for i in range(0, len(runs), per)]
-            futures = None if self.inline else _submitted(self._pool, work, parts)
-            if futures is None:  # a finalizer, or the pool shut down (the interpreter is exiting): this thread
-                for part in parts:
-                    work(part)
-            for f in futures or ():
-                f.result()
-        except OSError as e:
-            what = "read from" if call is os.preadv else "write to"
-            raise BackingFileError(f"cannot {what} backing file {str(self.path)!r}: {e.strerror or e}") from None
+        if not write and _NOWAIT:
+            runs = self._cached(runs, buffer, size)  # the rest must wait for the disk: many in flight
+            if not runs:
+                return
+        per = -(-len(runs) // self.queue_depth)
+        parts = [runs[i : i + per] for i in range(0, len(runs), per)]
+        futures = None if self.inline else _submitted(self._pool, work, parts)
+        if futures is None:  # a finalizer, or the pool shut down (the interpreter is exiting): this thread
+            for part in parts:
+                work(part)
+        for f in futures or ():
+            f.result()
 
     def _cached(self, runs: list[tuple[int, int, int]], buffer: np.ndarray, size: int) -> list[tuple[int, int, int]]:
         """Read the runs the page cache holds, here, without waiting (``RWF_NOWAIT``); return the others.

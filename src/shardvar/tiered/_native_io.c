@@ -1,0 +1,165 @@
+/* Record transfers of a tiered table's backing file (shardvar/tiered/_native.py loads this).
+ *
+ * sv_transfer moves the whole fixed-size records of ascending ids between a buffer (one record per
+ * id, back to back) and a file (record i at header + i * record_bytes). Consecutive ids go in one
+ * call. A read is first tried on the calling thread without waiting (preadv2 RWF_NOWAIT: the page
+ * cache's records cost a copy); what would wait for the disk is read by up to queue_depth threads,
+ * so a disk has many reads in flight. Writes are spread over threads only when there are many.
+ *
+ * Returns 0, an errno, or SV_SHORT (the file ended: a read of 0 bytes, a write of none); on a
+ * failure info[0] is the file offset of the lowest failing transfer. info[1] counts the runs that
+ * went to the blocking path. No Python here: ctypes calls it without the interpreter's lock.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#define SV_SHORT (-1)
+#define MAX_CALL ((int64_t)1 << 30)  /* Linux moves at most ~2 GiB in one call: loop in pieces */
+#define WRITES_PER_THREAD 256         /* page-cache writes cost ~1 us: a thread is worth it past this */
+
+typedef struct {
+    int64_t offset;
+    uint8_t *data;
+    int64_t length;
+} piece;
+
+typedef struct {
+    int fd, write;
+    piece *pieces;
+    int64_t count, next;  /* next: the first piece nobody took yet (atomic) */
+    int error;
+    int64_t error_at;
+    pthread_mutex_t lock;
+} job;
+
+int sv_abi_version(void) { return 1; }
+
+/* Move all of one piece, blocking; EINTR is retried, a short call continued. */
+static int whole(int fd, int write, int64_t offset, uint8_t *data, int64_t length, int64_t *at) {
+    while (length > 0) {
+        size_t ask = (size_t)(length < MAX_CALL ? length : MAX_CALL);
+        ssize_t done = write ? pwrite(fd, data, ask, (off_t)offset) : pread(fd, data, ask, (off_t)offset);
+        if (done < 0 && errno == EINTR)
+            continue;
+        if (done <= 0) {
+            *at = offset;
+            return done < 0 ? errno : SV_SHORT;
+        }
+        offset += done, data += done, length -= done;
+    }
+    return 0;
+}
+
+/* The bytes of a piece the page cache gives at once (from its start), or -errno. */
+static int64_t cached(int fd, int64_t offset, uint8_t *data, int64_t length) {
+#ifdef RWF_NOWAIT
+    int64_t got = 0;
+    while (got < length) {
+        int64_t left = length - got;
+        struct iovec v = {data + got, (size_t)(left < MAX_CALL ? left : MAX_CALL)};
+        ssize_t done = preadv2(fd, &v, 1, (off_t)(offset + got), RWF_NOWAIT);
+        if (done < 0 && errno == EINTR)
+            continue;
+        if (done < 0)
+            return errno == EAGAIN ? got : -errno;
+        if (done == 0)  /* the end of the file: the blocking read says so */
+            return got;
+        got += done;
+    }
+    return got;
+#else
+    (void)fd, (void)offset, (void)data, (void)length;
+    return -EOPNOTSUPP;
+#endif
+}
+
+static void failed(job *j, int error, int64_t at) {
+    pthread_mutex_lock(&j->lock);
+    if (!j->error || at < j->error_at)  /* the lowest offset: the same error whatever the threads' timing */
+        j->error = error, j->error_at = at;
+    pthread_mutex_unlock(&j->lock);
+}
+
+static void *worker(void *arg) {
+    job *j = arg;
+    for (;;) {
+        /* pieces are taken in ascending order, so when one fails every lower one is taken already:
+           those still finish (and may fail lower); nothing new starts */
+        if (__atomic_load_n(&j->error, __ATOMIC_RELAXED))
+            return NULL;
+        int64_t i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        if (i >= j->count)
+            return NULL;
+        int64_t at = 0;
+        int error = whole(j->fd, j->write, j->pieces[i].offset, j->pieces[i].data, j->pieces[i].length, &at);
+        if (error)
+            failed(j, error, at);
+    }
+}
+
+/* Run the job's pieces on `threads` threads, this one among them (fewer if a thread cannot start). */
+static void run(job *j, int64_t threads) {
+    pthread_t *started = threads > 1 ? malloc((size_t)(threads - 1) * sizeof(pthread_t)) : NULL;
+    int64_t n = 0;
+    if (started) {
+        sigset_t all, old;  /* the interpreter's signals go to its own threads, not these */
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &old);
+        for (; n < threads - 1; n++)
+            if (pthread_create(&started[n], NULL, worker, j))
+                break;
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+    }
+    worker(j);
+    for (int64_t t = 0; t < n; t++)
+        pthread_join(started[t], NULL);
+    free(started);
+}
+
+int sv_transfer(int fd, const int64_t *ids, int64_t n, int64_t record_bytes, int64_t header, uint8_t *buffer,
+                int write, int nowait, int queue_depth, int64_t *info) {
+    info[0] = info[1] = 0;
+    if (n <= 0)
+        return 0;
+    piece *pieces = malloc((size_t)n * sizeof(piece));
+    if (!pieces)
+        return ENOMEM;
+    int64_t count = 0;
+    for (int64_t start = 0, end; start < n; start = end) {
+        for (end = start + 1; end < n && ids[end] == ids[end - 1] + 1; end++)
+            ;
+        piece p = {header + ids[start] * record_bytes, buffer + start * record_bytes, (end - start) * record_bytes};
+        if (!write && nowait) {
+            int64_t got = cached(fd, p.offset, p.data, p.length);
+            if (got == -EOPNOTSUPP || got == -EINVAL) {
+                nowait = 0;  /* this file system cannot: every read from here on waits, on the threads */
+                got = 0;
+            } else if (got < 0) {
+                free(pieces);
+                info[0] = p.offset;
+                return (int)-got;
+            }
+            p.offset += got, p.data += got, p.length -= got;
+            if (!p.length)
+                continue;
+        }
+        pieces[count++] = p;
+    }
+    info[1] = count;
+    int64_t per = write ? WRITES_PER_THREAD : 1;
+    int64_t threads = (count + per - 1) / per;
+    threads = threads < queue_depth ? threads : queue_depth;
+    job j = {fd, write, pieces, count, 0, 0, 0, PTHREAD_MUTEX_INITIALIZER};
+    if (count)
+        run(&j, threads > 1 ? threads : 1);
+    free(pieces);
+    info[0] = j.error_at;
+    return j.error;
+}
