@@ -1,9 +1,10 @@
 """``cache_bytes`` bounds every row and state a tiered table holds in RAM, in transit included.
 
-The slots, the read-ahead reserve and the staging area are carved out of ``cache_bytes``; every
-record read from or written to the backing file while a table trains (a batch's misses, rows
-written back on eviction and flush, rows read ahead) moves through the staging area or a
-read-ahead set within the reserve, never through a buffer of its own. Checked through the
+The slots, the read-ahead reserve, the staging and the write-behind areas are carved out of
+``cache_bytes``; every record read from or written to the backing file while a table trains (a
+batch's misses, rows written back on eviction and flush, rows read ahead) moves through the
+staging area, the write-behind area or a read-ahead set within the reserve, never through a
+buffer of its own. Checked through the
 engine's own accounting: each transfer's buffer is located, and what is held summed, at the
 moment it happens.
 """
@@ -54,11 +55,14 @@ class _Audit:
             held = staged + buffer.nbytes
             if held > (cache.reserve or 0) * cache.layout.record_bytes:
                 self.errors.append(f"read ahead: {held} bytes staged, the reserve is {cache.reserve} records")
+        elif threading.current_thread().name.startswith("shardvar-write-behind"):  # an eviction's rows
+            if not _inside(buffer, cache.behind.area):
+                self.errors.append(f"a {buffer.nbytes}-byte write behind, outside the write-behind area")
         elif not _inside(buffer, getattr(cache, "staging", None)):
             self.errors.append(f"a {buffer.nbytes}-byte buffer outside the staging area")
             staged = held  # the read-ahead set being read is held too
         slots = cache.values.nbytes + cache.state.nbytes
-        self.peak = max(self.peak, slots + getattr(cache, "staging", torch.empty(0)).nbytes + staged)
+        self.peak = max(self.peak, slots + cache.staging.nbytes + cache.behind.area.nbytes + staged)
 
 
 @settings(max_examples=12, deadline=None)

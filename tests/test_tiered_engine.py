@@ -228,7 +228,7 @@ def test_prefetch_errors_reach_the_loop(tmp_path):
 def test_staged_records_never_exceed_the_reserve(tmp_path, reserve):
     with _file(tmp_path) as f:
         cache = RowCache(f, 8, reserve=reserve)
-        assert cache.nbytes == 8 * (4 * 4 + 4) + (reserve + cache.staging.shape[0]) * f.layout.record_bytes
+        assert cache.nbytes == 8 * (4 * 4 + 4) + (reserve + 2 * cache.staging.shape[0]) * f.layout.record_bytes
         for start in range(0, 40, 10):
             last = cache.stage(torch.arange(start, start + 10), limit=100)
             assert cache.staged_rows <= reserve

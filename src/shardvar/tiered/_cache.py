@@ -27,13 +27,14 @@ import torch
 
 from .._errors import ShardvarValueError
 from .._validate import check_choice, check_int
+from ._behind import WriteBehind
 from ._file import RowFile
 from ._slots import slot_index, victims
 
 __all__ = ["RowCache", "CacheStats", "POLICIES", "STAGING_ROWS"]
 
 POLICIES = ("lru", "lfu")
-STAGING_ROWS = 4096  # the most records the staging area holds (fewer for a small cache)
+STAGING_ROWS = 8192  # the most records the staging area holds, and the write-behind area (fewer for a small cache)
 
 
 @dataclass
@@ -86,6 +87,7 @@ class RowCache:
         # allocated once: ``nbytes`` counts them, so a batch allocates no rows of its own.
         staging = min(capacity, STAGING_ROWS) if staging is None else check_int(staging, "staging (rows)", minimum=1)
         self.staging = torch.zeros((staging, layout.record_bytes), dtype=torch.uint8)
+        self.behind = WriteBehind(file, staging)  # the rows an eviction gives up, written on a thread: as many
         # cache_bytes whose slots hold ``rows`` (set by the table, which knows its read-ahead share)
         self.bytes_for: Callable[[int], int] | None = None
         # Records read ahead (``stage``) held at once, all staged sets together: the table's budget
@@ -117,14 +119,15 @@ class RowCache:
     def nbytes(self) -> int:
         """RAM held for rows and state: slots, read-ahead reserve and staging (the figure ``cache_bytes`` bounds)."""
         slots = self.capacity * (self.values[:1].nbytes + self.state[:1].nbytes)
-        return slots + (self.reserve or 0) * self.layout.record_bytes + self.staging.nbytes
+        return slots + (self.reserve or 0) * self.layout.record_bytes + self.staging.nbytes + self.behind.nbytes
 
     @property
     def held_bytes(self) -> int:
-        """RAM holding rows and state now: slots, staging, and the records read ahead and not yet taken."""
+        """RAM holding rows and state now: slots, staging and write-behind areas, and the records read ahead
+        and not yet taken."""
         slots = self.capacity * (self.values[:1].nbytes + self.state[:1].nbytes)
         staged = sum(s.records.nbytes for s in self._staged if s.records is not None)
-        return slots + self.staging.nbytes + staged
+        return slots + self.staging.nbytes + self.behind.nbytes + staged
 
     @property
     def staged_rows(self) -> int:
@@ -166,6 +169,8 @@ class RowCache:
         missed = slot < 0
         new_ids, inverse = torch.unique(ids[missed], return_inverse=True)
         hits = slot[~missed]  # repeats included: the updates below write each slot's one value
+        if new_ids.numel():  # a miss may be a row the last eviction is still writing (raises if that failed)
+            self.behind.wait()
         short = new_ids.numel() - self.free.numel()
         chosen = None
         if short > 0:  # room is made from rows used before ``protect_since``, none of this batch's
@@ -196,12 +201,12 @@ class RowCache:
         distinct = torch.unique(ids)
         needed = distinct.numel() + int(((self.used >= protect_since) & (self.key >= 0)).sum())
         per_row = self.values[:1].nbytes + self.state[:1].nbytes
-        besides = self.nbytes - self.capacity * per_row  # the read-ahead reserve and the staging area
+        besides = self.nbytes - self.capacity * per_row  # the read-ahead reserve, the staging and write-behind areas
         budget = self.bytes_for(needed) if self.bytes_for else needed * per_row + besides
         raise ShardvarValueError(
             f"the row cache holds {self.capacity} rows; this batch needs {distinct.numel()} distinct rows "
             f"and {needed - distinct.numel()} more are held for a batch in flight: give it at least "
-            f"{needed} rows (cache_bytes={budget}, with its read-ahead and staging records)"
+            f"{needed} rows (cache_bytes={budget}, with its read-ahead, staging and write-behind records)"
         )
 
     def _bring(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
@@ -221,7 +226,7 @@ class RowCache:
 
     def _evict(self, slots: torch.Tensor) -> None:
         """Give up ``slots`` (ascending), writing back the rows that changed since they were read."""
-        self._write_back(slots[self.dirty[slots]])
+        self._write_back(slots[self.dirty[slots]], behind=True)
         self.index.remove(self.key[slots].to(torch.int64))
         self.key[slots] = -1
         self.free = torch.cat([self.free, slots]).sort().values
@@ -240,21 +245,28 @@ class RowCache:
             self.values.index_copy_(0, slots[a:b], values)
             self.state.index_copy_(0, slots[a:b], state)
 
-    def _write_back(self, slots: torch.Tensor) -> None:
-        if slots.numel():
-            ids, order = torch.sort(self.key[slots].to(torch.int64))
-            slots = slots[order]
-            for a in range(0, slots.numel(), self.staging.shape[0]):  # through the staging area, in id order
+    def _write_back(self, slots: torch.Tensor, behind: bool = False) -> None:
+        """Write the rows at ``slots`` to the file, in id order: on the write-behind thread where ``behind``
+        and they fit its area (the slots may be reused at once: their records were copied), else here."""
+        if slots.numel() == 0:
+            return
+        ids, order = torch.sort(self.key[slots].to(torch.int64))
+        slots = slots[order]
+        if not (behind and self.behind.start(ids, lambda out: self._gather(slots, out))):
+            self.behind.wait()
+            for a in range(0, slots.numel(), self.staging.shape[0]):  # through the staging area
                 b = min(slots.numel(), a + self.staging.shape[0])
-                records = self.staging[: b - a]
-                values, state = self.layout.split(records)
-                torch.index_select(self.values, 0, slots[a:b], out=values)
-                torch.index_select(self.state, 0, slots[a:b], out=state)
-                self.file.write_from(ids[a:b], records)
-            self.dirty[slots] = False
-            for staged in self._staged:
-                staged.written.append(ids)
-            self.stats.written_back += slots.numel()
+                self._gather(slots[a:b], self.staging[: b - a])
+                self.file.write_from(ids[a:b], self.staging[: b - a])
+        self.dirty[slots] = False
+        for staged in self._staged:
+            staged.written.append(ids)
+        self.stats.written_back += slots.numel()
+
+    def _gather(self, slots: torch.Tensor, records: torch.Tensor) -> None:
+        values, state = self.layout.split(records)
+        torch.index_select(self.values, 0, slots, out=values)
+        torch.index_select(self.state, 0, slots, out=state)
 
     # -- reading ahead --------------------------------------------------------------------------------
     def stage(self, ids: torch.Tensor, limit: int) -> int:
@@ -277,7 +289,9 @@ class RowCache:
                 limit = min(limit, (self.reserve + 1) // 2, self.reserve - held)
             staged = _Staged(distinct[self.lookup(distinct) < 0][: max(limit, 0)])
             self._staged = [*kept, staged]
+            writing = self.behind.pending  # issued before this set: read after it (later ones mark ``written``)
         if staged.ids.numel():
+            self.behind.wait(writing)
             staged.records = self.file.read(staged.ids)
         return staged.ids.numel()
 
@@ -288,6 +302,7 @@ class RowCache:
     def flush(self) -> None:
         """Write every changed row back (before a checkpoint streams the file, and at close)."""
         with self.lock:
+            self.behind.wait()
             self._write_back(self.dirty.nonzero().squeeze(1))
 
     def peek(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -299,6 +314,14 @@ class RowCache:
             state = torch.empty((ids.numel(), self.layout.state_width), dtype=torch.float32)
             values[held], state[held] = self.values[slot[held]], self.state[slot[held]]
             if bool((~held).any()):
+                self.behind.wait()
                 v, s = self.layout.split(self.file.read(ids[~held]))
                 values[~held], state[~held] = v, s
             return values, state
+
+    def close(self) -> None:
+        """Write every changed row back and let the write-behind thread go (the table is closing)."""
+        try:
+            self.flush()
+        finally:
+            self.behind.close()

@@ -81,7 +81,7 @@ class Shadow:
         try:
             if hasattr(self.map, "flush"):
                 self.map.flush()  # msync: the windows were written through the map
-            os.fsync(self.file.fd)
+            self.file.settle()  # on disk, and out of the page cache's large blocks (RowFile.settle)
         except OSError as e:
             raise BackingFileError(f"cannot write {str(self.path)!r}: {e.strerror or e}") from None
 

@@ -32,7 +32,7 @@ from ._views import mapped, sharded_view
 __all__ = ["Tiered", "TieredRows", "cache_bytes_for"]
 
 CHUNK_ROWS = 1 << 14  # rows streamed at once when a file is filled or widened
-STAGING_SHARE = 16  # the staging area's share of cache_bytes: 1/16 (at most STAGING_ROWS records)
+STAGING_SHARE = 32  # the staging area's share of cache_bytes, and the write-behind area's: 1/32 each (<= STAGING_ROWS)
 
 
 @dataclass(frozen=True)
@@ -134,9 +134,10 @@ def _split(cache_bytes: int, read_ahead: float, layout: RecordLayout) -> tuple[i
     """(slots, read-ahead records, staging records) of ``cache_bytes``, slots possibly 0."""
     per_row = layout.row_bytes + 4 * layout.state_width
     reserve = min(int(cache_bytes * read_ahead) // layout.record_bytes, max(layout.rows, 1))
-    # the staging area every record read or written passes through: 1/16 of the budget, 1 to STAGING_ROWS
+    # the staging area every record read or written passes through: 1/32 of the budget, 1 to STAGING_ROWS
     staging = max(1, min(STAGING_ROWS, cache_bytes // STAGING_SHARE // layout.record_bytes, layout.rows))
-    slots = max(0, cache_bytes - (reserve + staging) * layout.record_bytes) // per_row
+    # the write-behind area (rows an eviction gives up, written on a thread) is as large as the staging area
+    slots = max(0, cache_bytes - (reserve + 2 * staging) * layout.record_bytes) // per_row
     return min(slots, max(layout.rows, 1)), reserve, staging
 
 
@@ -146,8 +147,9 @@ def _capacity(cache_bytes: int, read_ahead: float, layout: RecordLayout) -> tupl
     if budget[0] < 1:
         raise ShardvarValueError(
             f"cache_bytes={cache_bytes} holds no row: one row and its state take "
-            f"{layout.row_bytes + 4 * layout.state_width} bytes, besides the staging area ({budget[2]} record(s) of "
-            f"{layout.record_bytes} bytes)" + (f" and the read-ahead reserve ({read_ahead} of it)" if budget[1] else "")
+            f"{layout.row_bytes + 4 * layout.state_width} bytes, besides the staging and write-behind areas "
+            f"({budget[2]} record(s) of {layout.record_bytes} bytes each)"
+            + (f" and the read-ahead reserve ({read_ahead} of it)" if budget[1] else "")
             + f"; give it at least {_bytes_for(1, read_ahead, layout)}"
         )
     return budget
@@ -294,8 +296,8 @@ class TieredRows:
     def _switch(self, new: RowFile, budget: tuple[int, int, int]) -> None:
         """Make ``new`` (already at the backing file's path) the table's file, with an empty cache."""
         self._closer.detach()
+        stats = self._drop_cache()  # (its writes done first: they go to the old file)
         self.file.close()  # the old file, replaced at its path: its rows are not read again
-        stats = self._drop_cache()
         self.file, self.cache = new, self.spec.cache_of(new, budget)
         self.cache.stats = stats
         self._closer = weakref.finalize(self, _close, self.cache, new)
@@ -304,6 +306,7 @@ class TieredRows:
         """Let go of the cache (its memory freed before a new one is made: never two at once) and return its
         statistics. Its rows were written back or are no longer wanted."""
         stats = self.cache.stats
+        self.cache.behind.close()
         self.cache = None  # type: ignore[assignment]
         return stats
 
@@ -396,5 +399,5 @@ class _Token:
 def _close(cache: RowCache, file: RowFile) -> None:
     if file.fd >= 0:
         file.inline = True  # maybe run by the garbage collector, inside another file's pool call
-        cache.flush()
+        cache.close()
         file.close()

@@ -1,0 +1,88 @@
+"""WriteBehind: the rows a cache gives up, written to its file on a thread while the step goes on.
+
+A training step in its steady state evicts about as many trained (changed) rows as it misses,
+and each must be written back: a few thousand writes into the page cache, ~2-5 us of kernel time
+each, as much as the rest of the step. Written on the step's own thread they add up; here they
+are copied into a fixed area (counted in ``cache_bytes``, as the staging area is) and written by
+one thread of their own (the native kernel lets the interpreter's lock go while it writes), so the
+writes overlap the step's reads and compute.
+
+Order is what keeps it exact. One write is in flight at most: the next eviction waits for it
+first. The cache waits for it before any read of the file that could want its rows (a batch's
+misses, a read-ahead started after it was issued, ``peek``, ``flush``); a read-ahead started
+before it marks its ids stale (``RowCache._staged``), so they are read again, after it.
+
+A write that fails leaves rows that are in neither the cache nor the file: every later use of
+the cache raises, and the file is never marked clean (it is refused when opened again), so training
+restarts from the last checkpoint, as after a crash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from ._file import BackingFileError, RowFile
+
+__all__ = ["WriteBehind"]
+
+
+class WriteBehind:
+    """Up to ``rows`` records of ``file`` written on a thread of their own (see the module docstring)."""
+
+    def __init__(self, file: RowFile, rows: int) -> None:
+        self.file = file
+        self.area = torch.zeros((rows, file.layout.record_bytes), dtype=torch.uint8)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.area.nbytes
+
+    @property
+    def pending(self) -> Future | None:
+        return self._pending
+
+    def wait(self, pending: Future | None = None) -> None:
+        """Until the write in flight is done, or ``pending`` (one seen earlier, from another thread: the
+        write in flight is then left for the cache's own thread to clear); raise if any write failed."""
+        mine = pending is None
+        pending = self._pending if mine else pending
+        if pending is not None:
+            try:
+                pending.result()
+            except BaseException as e:  # kept: every later use of the cache raises it
+                self._error = self._error or e
+            if mine:
+                self._pending = None
+        if self._error is not None:
+            raise BackingFileError(
+                f"an earlier write-back to backing file {str(self.file.path)!r} failed ({self._error}); the rows "
+                "it held are lost and the file is not valid: restore the table from its last checkpoint"
+            ) from self._error
+
+    def start(self, ids: torch.Tensor, fill: Callable[[torch.Tensor], None]) -> bool:
+        """Write the records of ascending ``ids`` (``fill(out)`` puts them in ``out``) on the thread; False
+        (nothing done) when they do not fit the area: the caller writes them itself."""
+        if ids.numel() > self.area.shape[0] or self.file.inline:
+            return False
+        self.wait()
+        records = self.area[: ids.numel()]
+        fill(records)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardvar-write-behind")
+        self._pending = self._pool.submit(self.file.write_from, ids, records)
+        return True
+
+    def close(self) -> None:
+        """Wait for the write in flight (raising if it failed) and let the thread go."""
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
