@@ -44,6 +44,8 @@ def _summary(config: dict, memory: dict, tiered: dict, counts: dict | None) -> l
         ("cache / cap", f"{config['cache_bytes'] / MIB:.0f} MiB ({tiered['capacity_rows']} rows) / {cap}"),
         ("cache bookkeeping (outside the cache: index, per-slot records)",
          f"{tiered.get('bookkeeping_bytes', 0) / MIB:.0f} MiB"),
+        ("tiered child's allocator", "glibc's defaults" if config.get("glibc_defaults") else
+         "MALLOC_MMAP_THRESHOLD_=262144 MALLOC_TRIM_THRESHOLD_=1048576 MALLOC_ARENA_MAX=2"),
         ("made (file filled, widened)", f"{tiered['made_s']:.1f} s"),
         ("peak RSS / (cache + 512 MiB)", f"{rss / MIB:.0f} / {bound / MIB:.0f} MiB: "
                                          + ("within" if rss <= bound else "OVER")),

@@ -3,8 +3,9 @@
     python benchmarks/bench_tiered_io.py [--rows 4194304] [--counts 4096 16384] [--repeats 9] [--folder DIR] [--quick]
 
 A file of ``--rows`` records of 264 bytes (64 float32 values and one state slot, the tiered
-benchmark's table), written and synced, so the page cache holds it: the reads measured are what a
-training step's misses cost when the disk is not the limit. For each count, random distinct ids
+benchmark's table), written, synced and dropped from the page cache (``RowFile.settle``); each set of
+ids is read once first, so the page cache holds its pages: the reads measured are what a training
+step's misses cost when the disk is not the limit. For each count, random distinct ids
 (ascending, as the cache asks for them) are read into a staging buffer with ``read_into`` and
 written back with ``write_from``, once through the Python path (``os.preadv`` per run) and once
 through the native kernel, interleaved, ``--repeats`` times; medians. Also the time of a first
@@ -73,12 +74,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.folder) as folder:
         zeros = lambda ids: (torch.zeros(ids.numel(), 64), torch.zeros(ids.numel(), 1))  # noqa: E731
         f = RowFile.create(Path(folder) / "io.rows", layout, zeros)
-        os.fsync(f.fd)  # nothing left to write back while timing; the pages stay cached
         rows, g = [], torch.Generator().manual_seed(0)
         for count in args.counts:
             ids = torch.randperm(args.rows, generator=g)[:count].sort().values
             runs = 1 + int((ids.diff() != 1).sum())
             out = torch.empty((count, layout.record_bytes), dtype=torch.uint8)
+            f.read_into(ids, out)  # into the page cache, page by page (create dropped the file: RowFile.settle)
             waited = kernel.transfer(f.fd, ids.numpy(), out.numpy(), layout.record_bytes, HEADER, False, True, 32)
             times = {}
             for kind, engine in (("python", None), ("native", kernel)):

@@ -34,6 +34,7 @@ from ._slots import slot_index, victims
 __all__ = ["RowCache", "CacheStats", "POLICIES", "STAGING_ROWS"]
 
 POLICIES = ("lru", "lfu")
+FLUSH_SLOTS = 1 << 18  # slots a flush looks through at once
 STAGING_ROWS = 8192  # the most records the staging area holds, and the write-behind area (fewer for a small cache)
 
 
@@ -102,10 +103,10 @@ class RowCache:
         wide = layout.rows > torch.iinfo(torch.int32).max
         self.key = torch.full((capacity,), -1, dtype=torch.int64 if wide else torch.int32)
         self.used = torch.zeros(capacity, dtype=torch.int32)  # the step each slot was last used
-        self.count = torch.zeros(capacity, dtype=torch.int32)
+        self.count = torch.zeros(capacity if self.policy == "lfu" else 0, dtype=torch.int32)  # uses: LFU's alone
         self.dirty = torch.zeros(capacity, dtype=torch.bool)
         self.index = slot_index(layout.rows, capacity)
-        self.free = torch.arange(capacity)  # the slots holding no row, ascending
+        self.free = torch.arange(capacity, dtype=torch.int32)  # the slots holding no row, ascending
         self.step = 0
         self.stats = CacheStats()
         self.lock = threading.Lock()  # guards the slots and the index (a prefetch thread reads them)
@@ -183,13 +184,14 @@ class RowCache:
         self.step = step  # checked: from here on the cache changes
         held = torch.zeros(self.capacity, dtype=torch.bool).index_fill_(0, hits, True)
         self.used.masked_fill_(held, step)
-        self.count += held
+        if self.count.numel():
+            self.count += held
         self.stats.hits += int(held.sum())
         if new_ids.numel() == 0:
             return slot
         if chosen is not None:
             self._evict(chosen)
-        new_slots = self.free[: new_ids.numel()]
+        new_slots = self.free[: new_ids.numel()].to(torch.int64)
         self._bring(new_slots, new_ids)
         self.free = self.free[new_ids.numel() :].clone()  # not a view: the first fill's arange is let go
         self.index.insert(new_ids, new_slots)
@@ -221,7 +223,8 @@ class RowCache:
         self.stats.prefetched += ids.numel() - rest.numel()
         self.key[slots] = ids.to(self.key.dtype)
         self.used[slots] = self.step
-        self.count[slots] = 1
+        if self.count.numel():
+            self.count[slots] = 1
         self.dirty[slots] = False
 
     def _evict(self, slots: torch.Tensor) -> None:
@@ -229,7 +232,7 @@ class RowCache:
         self._write_back(slots[self.dirty[slots]], behind=True)
         self.index.remove(self.key[slots].to(torch.int64))
         self.key[slots] = -1
-        self.free = torch.cat([self.free, slots]).sort().values
+        self.free = torch.cat([self.free, slots.to(torch.int32)]).sort().values
         self.stats.evictions += slots.numel()
         if self.index.needs_rebuild():
             held = (self.key >= 0).nonzero().squeeze(1)
@@ -303,7 +306,8 @@ class RowCache:
         """Write every changed row back (before a checkpoint streams the file, and at close)."""
         with self.lock:
             self.behind.wait()
-            self._write_back(self.dirty.nonzero().squeeze(1))
+            for start in range(0, self.capacity, FLUSH_SLOTS):  # a slice at a time: no cache-sized id arrays
+                self._write_back(self.dirty[start : start + FLUSH_SLOTS].nonzero().squeeze(1).add_(start))
 
     def peek(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(values, state) of ``ids`` as they are now, from the cache where held, else the file; no change."""

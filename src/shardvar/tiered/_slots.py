@@ -25,6 +25,7 @@ from ..dynamic._index import buckets_for
 __all__ = ["DirectSlots", "HashedSlots", "slot_index", "smallest", "victims"]
 
 _BITS = 16  # bins per pass of the radix select: 2**16 counts, a fraction of a millisecond
+_SLICE = 1 << 18  # slots scanned at once where a whole-cache array would be large
 
 
 class DirectSlots:
@@ -80,7 +81,7 @@ class HashedSlots:
         return self.index.find(ids, self._home(ids))[0]
 
     def insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        self.index.insert(ids, self._home(ids), slots)
+        self.index.insert(ids, self._home(ids), slots.to(torch.int64))
 
     def remove(self, ids: torch.Tensor) -> None:
         self.index.remove(self.index.find(ids, self._home(ids))[1])
@@ -103,14 +104,27 @@ def slot_index(rows: int, capacity: int) -> DirectSlots | HashedSlots:
 def smallest(priority: torch.Tensor, k: int, above: int) -> torch.Tensor:
     """Positions (ascending) of the ``k`` smallest of ``priority`` below ``above``, ties to the lower position.
 
-    ``priority`` holds non-negative integers; those at or above ``above`` are never chosen, and at
-    least ``k`` are below it (the caller checked)."""
+    ``priority`` holds non-negative integers (the caller's own copy: it is clamped in place); those at
+    or above ``above`` are never chosen, and at least ``k`` are below it (the caller checked)."""
     if k <= 0:
         return torch.empty(0, dtype=torch.int64)
-    threshold = _kth(priority.clamp(max=above), k)
+    threshold = _kth(priority.clamp_(max=above), k)
     below = (priority < threshold).nonzero().squeeze(1)
-    ties = (priority == threshold).nonzero().squeeze(1)[: k - below.numel()]
+    ties = _first(priority == threshold, k - below.numel())
     return torch.cat([below, ties]).sort().values
+
+
+def _first(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """Positions of the first ``n`` true values of ``mask``, a slice at a time: a cache's slots may tie by
+    the million (rows read in one step), and all of their positions would be a table-sized int64 array."""
+    found, have = [], 0
+    for start in range(0, mask.numel(), _SLICE):
+        if have >= n:
+            break
+        hits = mask[start : start + _SLICE].nonzero().squeeze(1)[: n - have]
+        found.append(hits.add_(start))
+        have += hits.numel()
+    return torch.cat(found) if found else torch.empty(0, dtype=torch.int64)
 
 
 def _kth(values: torch.Tensor, k: int) -> int:
@@ -131,12 +145,12 @@ def _kth(values: torch.Tensor, k: int) -> int:
 
 def victims(policy: str, used: torch.Tensor, count: torch.Tensor, k: int, since: int) -> torch.Tensor:
     """The ``k`` slots a policy gives up first (ascending) among those with ``used < since``: ``"lru"`` the
-    least recently used, ``"lfu"`` the least often used, then the least recently; ties to the lower slot."""
+    least recently used, ``"lfu"`` the least often used, then the least recently; ties to the lower slot.
+    ``used`` is the caller's own copy (changed here: no second table-sized array)."""
     if policy == "lru":
         return smallest(used, k, since)
-    held = used < since
-    uses = torch.where(held, count, int(count.max()) + 1)
+    uses = torch.where(used < since, count, int(count.max()) + 1)
     fewest = _kth(uses, k)
     sure = (uses < fewest).nonzero().squeeze(1)
-    tied = torch.where(uses == fewest, used, since)
+    tied = used.masked_fill_(uses != fewest, since)  # (``used`` is the caller's copy)
     return torch.cat([sure, smallest(tied, k - sure.numel(), since)]).sort().values
