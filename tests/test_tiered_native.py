@@ -274,3 +274,35 @@ def test_processes_compiling_at_once_all_load_a_whole_library(fresh, kernel):
     outs = [p.communicate(timeout=120)[0].strip() for p in procs]
     assert [p.returncode for p in procs] == [0] * 4 and outs == ["True"] * 4
     assert [p.name for p in fresh.iterdir()] == [_native.built().name]  # one library, no partial file left
+
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_writes_spread_over_threads_when_reads_wait_for_the_disk_write_the_same_bytes(tmp_path, kernel, spread):
+    """Once a large read mostly waited for the disk, writes go out on many threads (each would read its
+    page first); a read the page cache served turns that off again. Either way: the same file."""
+    layout = RecordLayout(8192, 2, "float32", 2)
+    zeros = lambda ids: (torch.zeros(ids.numel(), 2), torch.zeros(ids.numel(), 2))  # noqa: E731
+    with RowFile.create(tmp_path / "w.rows", layout, zeros) as f:
+        assert f._native is kernel and not f.disk_bound
+        ids = torch.randperm(8192, generator=torch.Generator().manual_seed(3))[:2048].sort().values
+        if _nowait_works(f):  # else every read counts as waiting: nothing to tell apart
+            f.read(ids)  # created files are dropped from the page cache (settle): this read waited
+            assert f.disk_bound
+            f.read(ids)  # the same pages, cached now
+            assert not f.disk_bound
+        f.disk_bound = spread
+        records = torch.randint(0, 256, (ids.numel(), layout.record_bytes), dtype=torch.uint8)
+        f.write_from(ids, records)
+        assert torch.equal(f.read(ids), records)
+        untouched = torch.ones(8192, dtype=torch.bool).index_fill_(0, ids, False).nonzero().squeeze(1)
+        assert bool((f.read(untouched) == 0).all())
+
+
+def _nowait_works(f: RowFile) -> bool:
+    try:
+        os.preadv(f.fd, [bytearray(16)], 4096, os.RWF_NOWAIT)
+    except BlockingIOError:
+        return True
+    except (OSError, AttributeError):
+        return False
+    return True

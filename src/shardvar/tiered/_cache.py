@@ -6,12 +6,14 @@ step it was last used, how often, and whether it changed since it was read (``di
 slot holds an id, and which rows leave when room is needed (an LRU or LFU policy, ties to the lower
 slot), is ``_slots``' bookkeeping: a gather and a scatter per step, and a linear radix select.
 
-``resolve`` brings a batch's distinct ids in: hits are marked used first, so they are never the
-ones evicted for the batch's misses; victims that changed are written back before their slots
-are reused; the misses are read from the file in concurrent reads. Every record on its way
+``resolve`` brings a batch's ids in: hits are marked used first, so they are never the ones
+evicted for the batch's misses; the victims' changed records are copied out before their slots
+are reused and written by the write-behind thread (``_behind``), or here when they do not fit its
+area; the misses are read from the file in concurrent reads. Every other record on its way
 between the file and the slots passes through one fixed staging area of ``staging`` records
-(allocated once, counted in ``nbytes``): a batch's misses and write-backs are moved a staging
-area at a time, so no buffer of a batch's size is ever allocated besides the slots. Rows used at or after
+(allocated once, counted in ``nbytes``, as the write-behind area is): a batch's misses and
+write-backs are moved an area at a time, so no buffer of a batch's size is ever allocated besides
+the slots. Rows used at or after
 ``protect_since`` are never evicted, so a batch computing while the next one is being resolved
 keeps its rows (see ``Prefetcher``). Everything is checked before anything moves: a batch whose
 distinct rows do not fit raises and leaves the cache as it was.

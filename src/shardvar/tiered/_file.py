@@ -18,7 +18,6 @@ on first use) does this without the interpreter's lock; without it the same is d
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import os
@@ -33,6 +32,7 @@ import torch
 from .._errors import ShardvarError, ShardvarValueError
 from .._validate import check_int
 from . import _native
+from ._pyio import python_transfer, submitted
 
 __all__ = ["RowFile", "RecordLayout", "BackingFileError"]
 
@@ -85,17 +85,8 @@ class RecordLayout:
         return records
 
 
+SPREAD_WRITES = 256  # records a write thread takes at least, when writes are spread (``disk_bound``)
 _NOWAIT = hasattr(os, "RWF_NOWAIT")  # Linux 4.14+: a read that fails rather than wait for the disk
-
-
-def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
-    """(first position, first id, count) of each run of consecutive ids in ascending ``ids``."""
-    if ids.size == 0:
-        return []
-    cuts = np.flatnonzero(np.diff(ids) != 1) + 1
-    starts = np.concatenate(([0], cuts))
-    counts = np.diff(np.concatenate((starts, [ids.size])))
-    return list(zip(starts.tolist(), ids[starts].tolist(), counts.tolist(), strict=True))
 
 
 class RowFile:
@@ -110,6 +101,9 @@ class RowFile:
         self._native = _native.kernel()  # None: the Python path (no compiler, SHARDVAR_NATIVE=0)
         self.bytes_read = self.bytes_written = 0
         self.inline = False  # transfer on the calling thread (a finalizer: the pool's locks may be held)
+        # Whether the last large read mostly waited for the disk: then writes, which read their pages
+        # first, go out on many threads too (in the page cache one thread writes fastest: _native_io.c)
+        self.disk_bound = False
 
     # -- opening and closing ------------------------------------------------------------------------
     @classmethod
@@ -270,67 +264,36 @@ class RowFile:
             if self._native is not None:  # a finalizer (``inline``) starts no thread
                 depth = 1 if self.inline else self.queue_depth
                 ids, size = np.ascontiguousarray(ids, dtype=np.int64), self.layout.record_bytes
-                self._native.transfer(self.fd, ids, buffer, size, HEADER, write, _NOWAIT, depth)
+                if write and self.disk_bound and depth > 1 and ids.size >= 2 * SPREAD_WRITES:
+                    self._spread_writes(ids, buffer, size)
+                    return
+                waited = self._native.transfer(self.fd, ids, buffer, size, HEADER, write, _NOWAIT, depth)
+                if not write and ids.size >= SPREAD_WRITES:
+                    self.disk_bound = waited * 4 > ids.size
             else:
-                self._transfer_python(ids, buffer, write)
+                python_transfer(self, ids, buffer, write, _NOWAIT, HEADER)
         except OSError as e:
             what = "write to" if write else "read from"
             raise BackingFileError(f"cannot {what} backing file {str(self.path)!r}: {e.strerror or e}") from None
 
-    def _transfer_python(self, ids: np.ndarray, buffer: np.ndarray, write: bool) -> None:
-        runs, size = _runs(ids), self.layout.record_bytes
-        call = os.pwritev if write else os.preadv
+    def _spread_writes(self, ids: np.ndarray, buffer: np.ndarray, size: int) -> None:
+        """Writes over the pool's threads, when the reads show the file's pages are on the disk: a write of
+        one record into a page the page cache does not hold reads that page first, and one thread would
+        wait for those reads one at a time (behind the read-ahead's many in flight, ~0.1 ms each)."""
+        cuts = np.linspace(0, ids.size, min(self.queue_depth, ids.size // SPREAD_WRITES) + 1).astype(np.int64)
+        parts = [(a, b) for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True) if b > a]
+        native = self._native
 
-        def work(part: list[tuple[int, int, int]]) -> None:
-            for pos, first, count in part:
-                view, at = memoryview(buffer[pos : pos + count]).cast("B"), HEADER + first * size
-                done = 0
-                while done < len(view):  # short only at the end of the file (or past 2 GiB): go on from there
-                    step = call(self.fd, [view[done:]], at + done)
-                    if step == 0:
-                        raise _native.short_transfer(write, at + done)
-                    done += step
+        def work(part: tuple[int, int]) -> None:
+            a, b = part
+            native.transfer(self.fd, ids[a:b], buffer[a:b], size, HEADER, True, _NOWAIT, 1)
 
-        if not write and _NOWAIT:
-            runs = self._cached(runs, buffer, size)  # the rest must wait for the disk: many in flight
-            if not runs:
-                return
-        per = -(-len(runs) // self.queue_depth)
-        parts = [runs[i : i + per] for i in range(0, len(runs), per)]
-        futures = None if self.inline else _submitted(self._pool, work, parts)
-        if futures is None:  # a finalizer, or the pool shut down (the interpreter is exiting): this thread
+        futures = submitted(self._pool, work, parts)
+        if futures is None:  # the pool shut down (the interpreter is exiting): this thread
             for part in parts:
                 work(part)
-        for f in futures or ():
+        for f in futures or ():  # in id order: the lowest failing part's error, whatever the timing
             f.result()
-
-    def _cached(self, runs: list[tuple[int, int, int]], buffer: np.ndarray, size: int) -> list[tuple[int, int, int]]:
-        """Read the runs the page cache holds, here, without waiting (``RWF_NOWAIT``); return the others.
-
-        A read from the page cache takes microseconds: handed to the pool's threads, each would wait far
-        longer for the interpreter's lock than it reads. Only a read that must reach the disk goes there."""
-        left = []
-        for run in runs:
-            pos, first, count = run
-            view = memoryview(buffer[pos : pos + count]).cast("B")
-            try:
-                done = os.preadv(self.fd, [view], HEADER + first * size, os.RWF_NOWAIT)
-            except BlockingIOError:
-                done = 0
-            except OSError as e:  # no RWF_NOWAIT on this file system: every read goes to the pool
-                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                return runs
-            if done != count * size:  # not (all) cached: the whole run again, from the pool
-                left.append(run)
-        return left
-
-
-def _submitted(pool: ThreadPoolExecutor, work: Callable, parts: list) -> list | None:
-    try:
-        return [pool.submit(work, part) for part in parts]
-    except RuntimeError:
-        return None
 
 
 def open_fd(path: Path, flags: int) -> int:
