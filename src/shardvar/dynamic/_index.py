@@ -35,6 +35,11 @@ class HashIndex:
         self.deleted = int((table[:, 1] == DELETED).sum())
 
     @staticmethod
+    def bytes_for(capacity: int) -> int:
+        """The bytes of one shard's table for ``capacity`` keys (a pair of int64 per bucket)."""
+        return 16 * buckets_for(capacity)
+
+    @staticmethod
     def allocate(num_shards: int, capacity: int, device: torch.device | None = None) -> torch.Tensor:
         table = torch.zeros((num_shards * buckets_for(capacity), 2), dtype=torch.int64, device=device)
         table[:, 1] = EMPTY

@@ -234,12 +234,9 @@ def _slot_bags(module: Any, input: torch.Tensor, offsets: Any, weights: Any) -> 
         slots, weights = slots.reshape(-1), None if weights is None else weights.reshape(-1)
     bag_offsets = bag_offsets.to(slots.dtype)
     if not grad:
-        return torch.nn.functional.embedding_bag(slots, tier.values, bag_offsets, mode=module.mode,
-                                                 per_sample_weights=weights)  # fmt: skip
-    # the sink keeps the token: the batch's rows stay in their slots until its backward ran
-    part = Part(0, tier.values.shape[0], lambda rows, summed: _hand_over(tier, token, rows, summed))
+        return functional.embedding_bag_rows(slots, tier.values, bag_offsets, None, 2.0, False, module.mode, False,
+                                             weights)  # fmt: skip
+    # the part holds the token until backward ran: the batch's rows stay in their slots until then; the
+    # summed rows come as distinct ascending slots, nothing left to sum
+    part = Part(0, tier.values.shape[0], lambda rows, summed: to_sink(tier, rows, summed), token)
     return sparse_bags(tier.values, module.mode, [part], ([slots], [bag_offsets], [weights]), (module.tiered_rows,))[0]
-
-
-def _hand_over(tier: RowTier, token: Any, slots: torch.Tensor, summed: torch.Tensor) -> None:
-    to_sink(tier, slots, summed)  # distinct slots, ascending: nothing left to sum

@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 
 from ..dynamic import HashIndex, mix64
-from ..dynamic._index import buckets_for
 
 __all__ = ["DirectSlots", "HashedSlots", "slot_index", "smallest", "victims"]
 
@@ -68,7 +67,7 @@ class HashedSlots:
 
     @staticmethod
     def bytes_for(capacity: int) -> int:
-        return 16 * buckets_for(capacity)  # a (key, slot) pair of int64 per bucket
+        return HashIndex.bytes_for(capacity)
 
     @property
     def nbytes(self) -> int:

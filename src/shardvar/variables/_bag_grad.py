@@ -42,11 +42,13 @@ def _bag_of(offsets: torch.Tensor, first_bag: int, first_id: int, stop: int) -> 
 class Part(NamedTuple):
     """One table's share of a lookup of several: the rows ``[start, stop)`` of the weight it owns, and the
     sink its gradient goes to in backward, ``sink(table rows, gradient rows)`` (a fused optimizer's
-    update; None: the weight's ``.grad``)."""
+    update; None: the weight's ``.grad``). ``hold``: kept until the backward ran, then let go (a tier's
+    token: the batch's rows stay in their slots until then)."""
 
     start: int
     stop: int
     sink: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+    hold: Any = None
 
 
 # The rows a sink takes at once: their summed gradient and the optimizer's copy of them stay small
@@ -174,7 +176,8 @@ class _SparseBags(torch.autograd.Function):
             if grad is not None:  # None: the sinks took every row, as they take an unsharded table's
                 params = (grad,) if ctx.split is None else tuple(ctx.split(grad))
         ctx.reading = None  # the store's rows may move again (see ``variables._autograd.reading``)
-        ctx.parts = None  # and what the sinks hold (a tier's token: its batch's rows stay put until here) goes
+        ctx.parts = tuple(p._replace(hold=None) for p in ctx.parts)  # what the parts held goes (the sinks stay:
+        # a graph kept for a second backward runs them again)
         return None, None, None, None, *([None] * (2 * n)), *learned, *params
 
 
