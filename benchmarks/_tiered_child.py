@@ -77,10 +77,12 @@ def _table(args: dict, storage: shardvar.Tiered | None, peaks: dict[str, int]) -
 
 
 def _prefill(table: torch.nn.Module, hot: np.ndarray, piece: int) -> None:
-    """Bring the hottest rows in (as many as the cache holds), so the timed steps start from a full cache."""
+    """Bring the hottest rows in (as many as the cache holds), so the timed steps start from a full cache,
+    each marked changed, as in the steady state (every row in the cache was trained since it was read):
+    a row the timed steps give up is written back, as it would be."""
     hot = hot[: table.cache_stats()["capacity_rows"]]
     for first in range(0, hot.size, piece):
-        table.cache.resolve(torch.from_numpy(np.array(hot[first : first + piece])))
+        table.cache.mark_dirty(table.cache.resolve(torch.from_numpy(np.array(hot[first : first + piece]))))
 
 
 def _step(module: torch.nn.Module, batches: np.ndarray, prefetch: bool) -> float:

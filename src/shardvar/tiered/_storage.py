@@ -24,7 +24,8 @@ import torch
 from .._errors import ShardvarTypeError, ShardvarValueError
 from .._validate import check_choice, check_int, check_number
 from ..variables import TierSink
-from ._cache import POLICIES, STAGING_ROWS, RowCache
+from ._budget import bytes_for, cache_bytes_for, capacity
+from ._cache import POLICIES, RowCache
 from ._file import BackingFileError, RecordLayout, RowFile
 from ._shadow import active_load
 from ._views import mapped, sharded_view
@@ -32,7 +33,6 @@ from ._views import mapped, sharded_view
 __all__ = ["Tiered", "TieredRows", "cache_bytes_for"]
 
 CHUNK_ROWS = 1 << 14  # rows streamed at once when a file is filled or widened
-STAGING_SHARE = 32  # the staging area's share of cache_bytes, and the write-behind area's: 1/32 each (<= STAGING_ROWS)
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class Tiered:
     def open(self, rows: int, dim: int, dtype: torch.dtype, blocks: Iterator[torch.Tensor]) -> TieredRows:
         """A new backing file of ``rows`` x ``dim`` filled from ``blocks``, and its cache."""
         layout = RecordLayout(rows, dim, str(dtype).removeprefix("torch."), 0)
-        budget = _capacity(self.cache_bytes, self.read_ahead, layout)
+        budget = capacity(self.cache_bytes, self.read_ahead, layout)
         path = Path(self.path)
         if path.exists():
             _refuse_existing(path)
@@ -107,65 +107,8 @@ class Tiered:
     def cache_of(self, file: RowFile, budget: tuple[int, int, int]) -> RowCache:
         """The cache over ``file`` of ``budget`` (slots, read-ahead records, staging records)."""
         cache = RowCache(file, budget[0], self.policy, budget[1], budget[2])
-        cache.bytes_for = lambda rows: _bytes_for(rows, self.read_ahead, file.layout)
+        cache.bytes_for = lambda rows: bytes_for(rows, self.read_ahead, file.layout)
         return cache
-
-
-def cache_bytes_for(
-    slots: int,
-    dim: int,
-    *,
-    rows: int | None = None,
-    state_width: int = 0,
-    dtype: torch.dtype = torch.float32,
-    read_ahead: float = 0.125,
-) -> int:
-    """The least ``cache_bytes`` giving ``slots`` rows in the cache of a ``rows`` x ``dim`` table whose optimizer
-    keeps ``state_width`` float32 per row (row-wise Adagrad: 1; Adam: ``2 * dim``), besides its read-ahead
-    reserve (``read_ahead``) and its staging area."""
-    check_int(slots, "slots", minimum=1)
-    check_int(dim, "dim", minimum=1)
-    table_rows = slots if rows is None else check_int(rows, "rows", minimum=1)
-    layout = RecordLayout(table_rows, dim, str(dtype).removeprefix("torch."), check_int(state_width, "state_width"))
-    return _bytes_for(slots, check_number(read_ahead, "read_ahead", minimum=0.0), layout)
-
-
-def _split(cache_bytes: int, read_ahead: float, layout: RecordLayout) -> tuple[int, int, int]:
-    """(slots, read-ahead records, staging records) of ``cache_bytes``, slots possibly 0."""
-    per_row = layout.row_bytes + 4 * layout.state_width
-    reserve = min(int(cache_bytes * read_ahead) // layout.record_bytes, max(layout.rows, 1))
-    # the staging area every record read or written passes through: 1/32 of the budget, 1 to STAGING_ROWS
-    staging = max(1, min(STAGING_ROWS, cache_bytes // STAGING_SHARE // layout.record_bytes, layout.rows))
-    # the write-behind area (rows an eviction gives up, written on a thread) is as large as the staging area
-    slots = max(0, cache_bytes - (reserve + 2 * staging) * layout.record_bytes) // per_row
-    return min(slots, max(layout.rows, 1)), reserve, staging
-
-
-def _capacity(cache_bytes: int, read_ahead: float, layout: RecordLayout) -> tuple[int, int, int]:
-    """(slots, read-ahead records, staging records) within ``cache_bytes``; refused if no slot is left."""
-    budget = _split(cache_bytes, read_ahead, layout)
-    if budget[0] < 1:
-        raise ShardvarValueError(
-            f"cache_bytes={cache_bytes} holds no row: one row and its state take "
-            f"{layout.row_bytes + 4 * layout.state_width} bytes, besides the staging and write-behind areas "
-            f"({budget[2]} record(s) of {layout.record_bytes} bytes each)"
-            + (f" and the read-ahead reserve ({read_ahead} of it)" if budget[1] else "")
-            + f"; give it at least {_bytes_for(1, read_ahead, layout)}"
-        )
-    return budget
-
-
-def _bytes_for(rows: int, read_ahead: float, layout: RecordLayout) -> int:
-    """The least ``cache_bytes`` (found by doubling, then bisection) whose slots hold ``rows`` rows."""
-    rows = min(rows, max(layout.rows, 1))
-    high = max(rows * (layout.row_bytes + 4 * layout.state_width), 1)
-    while _split(high, read_ahead, layout)[0] < rows:
-        high *= 2
-    low = high // 2
-    while low + 1 < high:  # the slots grow with cache_bytes but for one reserve or staging record: bisect
-        mid = (low + high) // 2
-        low, high = (low, mid) if _split(mid, read_ahead, layout)[0] >= rows else (mid, high)
-    return high
 
 
 def _counter(progress: Callable[[int, int], None] | None, rows: int) -> Callable[[int], None] | None:
@@ -266,7 +209,7 @@ class TieredRows:
             raise ShardvarValueError("cannot add optimizer state to a tiered table while a backward is pending")
         old = self.file.layout
         layout = RecordLayout(old.rows, old.dim, old.dtype, old.state_width + width)
-        budget = _capacity(self.spec.cache_bytes, self.spec.read_ahead, layout)  # checked first
+        budget = capacity(self.spec.cache_bytes, self.spec.read_ahead, layout)  # checked first
         self.cache.flush()
         path = self.file.path
         wider = path.with_name(path.name + ".widening")
