@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .._errors import ShardvarIndexError, ShardvarTypeError, ShardvarValueError
-from ..variables import Part, RowTier, TableStorage, check_bag, check_weights, functional, sparse_bags
+from ..variables import Part, RowTier, TableStorage, check_bag, check_weights, functional, pools_rows, sparse_bags
 from ._collection_build import pieces
 
 __all__ = ["TieredTable", "tiered_blocks", "to_sink", "unfused"]
@@ -199,10 +199,8 @@ def forward_embedding(module: Any, input: torch.Tensor) -> torch.Tensor:
 
 
 def forward_bag(module: Any, input: torch.Tensor, offsets: Any, per_sample_weights: Any) -> torch.Tensor:
-    if module.mode != "max" and not (module.scale_grad_by_freq or module.include_last_offset) and (
-        module.padding_idx is None
-    ):
-        return _slot_bags(module, input, offsets, per_sample_weights)
+    if pools_rows(module.mode, module.scale_grad_by_freq, module.padding_idx, None, module.include_last_offset):
+        return _slot_bags(module, input, offsets, per_sample_weights)  # (max_norm: refused at construction)
     rows, positions, pad = module._rows(input)
     return functional.embedding_bag_rows(
         positions,

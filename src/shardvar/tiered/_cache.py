@@ -149,8 +149,7 @@ class RowCache:
         return self.index.find(ids)
 
     def _check(self, low: int, high: int) -> None:
-        if low < 0 or high >= self.layout.rows:  # the file's own message: the index holds no row past it
-            raise ShardvarValueError(f"row ids must be in [0, {self.layout.rows}); got {low}..{high}")
+        self.file.check_range(low, high)  # before the index, which holds no row past the file's
 
     def resolve(self, ids: torch.Tensor, *, protect_since: int | None = None) -> torch.Tensor:
         """The slot of each of ``ids`` (any shape, repeats allowed), bringing missing rows in.

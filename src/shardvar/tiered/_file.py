@@ -32,7 +32,7 @@ import torch
 from .._errors import ShardvarError, ShardvarValueError
 from .._validate import check_int
 from . import _native
-from ._pyio import python_transfer, submitted
+from ._pyio import python_transfer, run_parts
 
 __all__ = ["RowFile", "RecordLayout", "BackingFileError"]
 
@@ -204,9 +204,14 @@ class RowFile:
         if self.fd < 0:
             raise BackingFileError(f"backing file {str(self.path)!r} is closed")
         out = ids.detach().to("cpu", torch.int64).numpy()
-        if out.size and (out.min() < 0 or out.max() >= self.layout.rows):
-            raise ShardvarValueError(f"row ids must be in [0, {self.layout.rows}); got {out.min()}..{out.max()}")
+        if out.size:
+            self.check_range(int(out.min()), int(out.max()))
         return out
+
+    def check_range(self, low: int, high: int) -> None:
+        """Refuse row ids from ``low`` to ``high`` unless every one is a row of this file."""
+        if low < 0 or high >= self.layout.rows:
+            raise ShardvarValueError(f"row ids must be in [0, {self.layout.rows}); got {low}..{high}")
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         """The records of ``ids`` (any order, distinct or not) as ``[len(ids), record_bytes]`` uint8."""
@@ -288,12 +293,7 @@ class RowFile:
             a, b = part
             native.transfer(self.fd, ids[a:b], buffer[a:b], size, HEADER, True, _NOWAIT, 1)
 
-        futures = submitted(self._pool, work, parts)
-        if futures is None:  # the pool shut down (the interpreter is exiting): this thread
-            for part in parts:
-                work(part)
-        for f in futures or ():  # in id order: the lowest failing part's error, whatever the timing
-            f.result()
+        run_parts(self._pool, work, parts, inline=False)
 
 
 def open_fd(path: Path, flags: int) -> int:

@@ -16,7 +16,7 @@ import numpy as np
 
 from . import _native
 
-__all__ = ["python_transfer", "submitted"]
+__all__ = ["python_transfer", "run_parts"]
 
 
 def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
@@ -50,12 +50,7 @@ def python_transfer(file: Any, ids: np.ndarray, buffer: np.ndarray, write: bool,
             return
     per = -(-len(runs) // file.queue_depth)
     parts = [runs[i : i + per] for i in range(0, len(runs), per)]
-    futures = None if file.inline else submitted(file._pool, work, parts)
-    if futures is None:  # a finalizer, or the pool shut down (the interpreter is exiting): this thread
-        for part in parts:
-            work(part)
-    for f in futures or ():
-        f.result()
+    run_parts(file._pool, work, parts, file.inline)
 
 
 Runs = list[tuple[int, int, int]]
@@ -83,8 +78,17 @@ def _cached(file: Any, runs: Runs, buffer: np.ndarray, size: int, header: int) -
     return left
 
 
-def submitted(pool: ThreadPoolExecutor, work: Callable, parts: list) -> list | None:
-    try:
-        return [pool.submit(work, part) for part in parts]
-    except RuntimeError:
-        return None
+def run_parts(pool: ThreadPoolExecutor, work: Callable, parts: list, inline: bool) -> None:
+    """``work(part)`` for every part on the pool's threads (on this one when ``inline``, a finalizer, or
+    when the pool shut down as the interpreter exits); the first part's error in order, whatever the timing."""
+    futures = None
+    if not inline:
+        try:
+            futures = [pool.submit(work, part) for part in parts]
+        except RuntimeError:
+            futures = None
+    if futures is None:
+        for part in parts:
+            work(part)
+    for f in futures or ():
+        f.result()

@@ -6,7 +6,7 @@
 
 from . import _functional as functional
 from ._autograd import SlabSplit, reading
-from ._bag_grad import Part, sparse_bags
+from ._bag_grad import Part, pools_rows, sparse_bags
 from ._create import create_partitioned_variables, shard_tensor, to_layout
 from ._distinct import segments, sparse_rows
 from ._functional import (
@@ -44,6 +44,7 @@ __all__ = [
     "FORMATS",
     "FORMS",
     "Part",
+    "pools_rows",
     "RowFormat",
     "SlabSplit",
     "as_slab",

@@ -26,7 +26,7 @@ from ._autograd import SlabSplit, reading
 from ._distinct import segment_sum, segments, sparse_rows
 from ._kernels import bag_parts
 
-__all__ = ["Part", "slab_bags", "sparse_bag", "sparse_bags"]
+__all__ = ["Part", "pools_rows", "slab_bags", "sparse_bag", "sparse_bags"]
 
 
 def _bag_of(offsets: torch.Tensor, first_bag: int, first_id: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,11 +226,17 @@ def slab_bags(
     return sparse_bags(slab, mode, [part], ([rows], [offsets], [weights]), shards, SlabSplit(store))[0]
 
 
+def pools_rows(mode: str, scale_grad_by_freq: bool, padding_idx: Any, max_norm: Any, last: bool) -> bool:
+    """Whether the sparse product computes a bag with these options: sum or mean, none of the options it
+    leaves out (a padding row, max_norm, scale_grad_by_freq, include_last_offset: torch's op then)."""
+    return not (mode == "max" or scale_grad_by_freq or padding_idx is not None or max_norm is not None or last)
+
+
 def sums_rows(store: Any, mode: str, scale_grad_by_freq: bool, padding_idx: Any, max_norm: Any, last: bool) -> bool:
     """Whether :func:`slab_bags` computes a sparse bag of this local store: a sum or mean bag over a
     slab on the CPU whose shards want a gradient, with none of the options the product leaves out
     (a padding row, max_norm, scale_grad_by_freq, include_last_offset: torch's op then)."""
-    if mode == "max" or scale_grad_by_freq or padding_idx is not None or max_norm is not None or last:
+    if not pools_rows(mode, scale_grad_by_freq, padding_idx, max_norm, last):
         return False
     slab = store.full_slab
     if slab is None or slab.device.type != "cpu" or not torch.is_grad_enabled():
