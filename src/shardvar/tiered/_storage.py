@@ -304,7 +304,10 @@ class TieredRows:
 
     def cache_stats(self) -> dict[str, float]:
         """Hit rate, hits, misses, evictions, rows written back, bytes read and written, capacity, and the bytes
-        the cache keeps outside ``cache_bytes`` (its index and per-slot records: ``bookkeeping_bytes``)."""
+        the cache keeps outside ``cache_bytes`` (its index and per-slot records: ``bookkeeping_bytes``).
+        A write-back in flight is waited for first: the bytes written are those of every row written back."""
+        with self.cache.lock:
+            self.cache.behind.wait()
         s = self.cache.stats
         return {
             "hit_rate": s.hit_rate,
