@@ -340,8 +340,9 @@ def test_the_kernel_call_finder_finds_kernel_calls(source: str, lines: list[int]
     assert _kernel_calls(source) == lines
 
 
-# Ground-floor modules every layer may use (the error family, argument checks, pages, buffers, formats).
-GROUND = {"_errors", "_validate", "_pages", "_recycle", "_format", "_deprecation"}
+# Ground-floor modules every layer may use (the error family, argument checks, pages, buffers, formats,
+# native kernels compiled on first use, the threads their jobs run on).
+GROUND = {"_errors", "_validate", "_pages", "_recycle", "_format", "_deprecation", "_native", "_threads"}
 
 
 def _reach_ins(own: str, source: str) -> list[tuple[int, str]]:

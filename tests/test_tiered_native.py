@@ -23,6 +23,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import shardvar._native as native
 import shardvar.tiered._file as file_module
 from shardvar import ShardvarValueError
 from shardvar.tiered import BackingFileError, RecordLayout, RowFile, _native
@@ -37,7 +38,7 @@ PATHS = ["native", "python"]
 def kernel():
     found = _native.kernel()
     if found is None:
-        if _native.compiler_command() is None or os.environ.get("SHARDVAR_NATIVE", "").strip() == "0":
+        if native.compiler_command() is None or os.environ.get("SHARDVAR_NATIVE", "").strip() == "0":
             pytest.skip("no native kernel here (no C compiler, or SHARDVAR_NATIVE=0)")
         _native.built()  # a compiler is here, so the kernel must be: this raises why it is not
         raise AssertionError("the kernel builds, yet did not load")
@@ -238,10 +239,10 @@ def test_without_the_kernel_the_python_path_is_taken(fresh, monkeypatch, caplog,
         for p in fresh.glob("native_io-*.so"):
             p.unlink()
         if why == "no compiler":
-            monkeypatch.setattr(_native, "compiler_command", lambda: None)
+            monkeypatch.setattr(native, "compiler_command", lambda: None)
         else:
             monkeypatch.setenv("CC", "false")
-    with caplog.at_level(logging.DEBUG, logger=_native.__name__):
+    with caplog.at_level(logging.DEBUG, logger=native.__name__):
         f = _create(fresh.parent.parent, "native")
     assert f._native is None
     assert [r.levelno for r in caplog.records] == [logging.DEBUG]  # one line, and nothing louder

@@ -156,6 +156,32 @@ class TableOptimizer(torch.optim.Optimizer):
         """Whether the update is ``weight -= lr * grad`` (sparse rows then need no summing)."""
         return False
 
+    def update_rows(
+        self,
+        weight: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        rows: torch.Tensor | None,
+        grad: torch.Tensor,
+        group: dict,
+    ) -> bool:
+        """Update the distinct ``rows`` (None: all) of ``weight`` and ``state`` in place in one native pass over
+        them, or return False (nothing changed): no kernel for this rule or these tensors, so the torch ops run."""
+        return False
+
+    def update_bags(
+        self,
+        weight: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        grad: torch.Tensor,
+        group: dict,
+    ) -> Callable[[], None] | None:
+        """The update of the rows of ``weight`` (and ``state``) that the sum bags ``(ids, offsets)`` read, each with
+        the sum of its bags' ``grad``, in one native pass: a job to run on any thread (the tables of a
+        collection are updated at once); None: no such kernel here."""
+        return None
+
     def needed_slots(self) -> dict[str, tuple[bool, str | float]]:
         """The state every table gets (SGD's momentum buffer only if a group has momentum)."""
         return dict(self.slots)
@@ -216,11 +242,13 @@ class TableOptimizer(torch.optim.Optimizer):
     ) -> None:
         """Update group ``g`` of table ``t``: the whole slab (``rows`` None) or those slab rows."""
         weight, state = t.group_tensors(g)
-        if rows is None:  # dense: in place on the slab and its state
-            self.update(weight, state, grad, step, group, False)
-            return
         if sparse and self.linear(group):  # duplicates add up in the update itself, as torch's sparse add_ does
             weight.index_add_(0, rows, grad, alpha=-group["lr"])
+            return
+        if self.update_rows(weight, state, rows, grad, group):  # every path the same arithmetic, where it does
+            return
+        if rows is None:  # dense: in place on the slab and its state
+            self.update(weight, state, grad, step, group, False)
             return
         w = weight.index_select(0, rows)
         s = {slot: x.index_select(0, rows) for slot, x in state.items()}

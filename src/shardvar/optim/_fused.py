@@ -29,6 +29,7 @@ longer sees the shards). A pending backward keeps the rows put (see ``variables.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -114,15 +115,7 @@ class FusedHandle:
             self._pending[id(table)] = table
 
     def _sink(self, table: Table, group: dict[str, Any]) -> Any:
-        logical = table.store.logical_slab  # how the rows lie for the lookups that hand theirs over
-
-        def take(rows: torch.Tensor, values: torch.Tensor) -> None:  # distinct rows of the table's one slab
-            self._begin(table)
-            with torch.no_grad():
-                rows = _as_they_lie(table.store, rows, logical)
-                self.optimizer._apply(table, group, 0, rows, values, int(table.step) + 1, True)
-
-        return take
+        return _SlabSink(self, table, group)
 
     def _tier_sink(self, table: TierTable, group: dict[str, Any]) -> Any:
         def take(slots: torch.Tensor, values: torch.Tensor) -> None:  # one gradient row per looked-up id
@@ -147,6 +140,40 @@ class FusedHandle:
             p.grad = None
 
         return apply
+
+
+class _SlabSink:
+    """A table's sink (``variables.Part``): distinct rows with their summed gradient, or a sum bag's
+    gradient whole (:meth:`bags`), where the optimizer has a one-pass update of it."""
+
+    def __init__(self, handle: FusedHandle, table: Table, group: dict[str, Any]) -> None:
+        self.handle, self.table, self.group = handle, table, group
+        self.logical = table.store.logical_slab  # how the rows lie for the lookups that hand theirs over
+
+    def __call__(self, rows: torch.Tensor, values: torch.Tensor) -> None:  # distinct rows of the table's one slab
+        table = self.table
+        self.handle._begin(table)
+        with torch.no_grad():
+            rows = _as_they_lie(table.store, rows, self.logical)
+            self.handle.optimizer._apply(table, self.group, 0, rows, values, int(table.step) + 1, True)
+
+    def bags(self, ids: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor) -> Callable[[], None] | None:
+        """The update of the rows the sum bags ``(ids, offsets)`` read from their bags' gradient ``grad``, in one
+        pass: a job to run on any thread; None: the rows must be summed and handed over (``__call__``)."""
+        table = self.table
+        if table.store.logical_slab != self.logical:  # the rows moved since the lookup read them
+            return None
+        weight, state = table.group_tensors(0)
+        job = self.handle.optimizer.update_bags(weight, state, ids, offsets, grad, self.group)
+        if job is None:
+            return None
+        self.handle._begin(table)
+
+        def update() -> None:
+            with torch.no_grad():
+                job()
+
+        return update
 
 
 def _as_they_lie(store: Any, rows: torch.Tensor, logical: bool) -> torch.Tensor:

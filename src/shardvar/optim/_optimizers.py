@@ -11,6 +11,7 @@ row-wise Adagrad, and Adam with a row-wise second moment.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from .._errors import ShardvarValueError
 from .._validate import check_bool, check_number
 from ._base import TableOptimizer
+from ._kernel import rowwise
 
 __all__ = ["SGD", "Adagrad", "RowWiseAdagrad", "Adam", "RowWiseAdam"]
 
@@ -115,6 +117,36 @@ class RowWiseAdagrad(TableOptimizer):
         super()._check_options(group)
         for name in ("initial_accumulator_value", "eps"):
             check_number(group[name], name, minimum=0)
+
+    def update_rows(
+        self,
+        weight: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        rows: torch.Tensor | None,
+        grad: torch.Tensor,
+        group: dict,
+    ) -> bool:
+        kernel = rowwise()
+        if kernel is None:
+            return False
+        if rows is None:  # dense: every row, in the same arithmetic as a sparse step's
+            rows = torch.arange(weight.shape[0], device=weight.device)
+        return kernel.adagrad(weight, state["sum"], rows, grad, group["lr"], group["eps"], group["weight_decay"])
+
+    def update_bags(
+        self,
+        weight: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        grad: torch.Tensor,
+        group: dict,
+    ) -> Callable[[], None] | None:
+        kernel = rowwise()
+        if kernel is None:
+            return None
+        o = group
+        return kernel.bags_adagrad(weight, state["sum"], ids, offsets, grad, o["lr"], o["eps"], o["weight_decay"])
 
     @staticmethod
     def update(w: torch.Tensor, s: dict, g: torch.Tensor, step: int, o: dict, sparse: bool) -> None:

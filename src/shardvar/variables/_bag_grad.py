@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .._threads import run_all
 from ._autograd import SlabSplit, reading
 from ._distinct import segment_sum, segments, sparse_rows
 from ._kernels import bag_parts
@@ -42,7 +43,10 @@ def _bag_of(offsets: torch.Tensor, first_bag: int, first_id: int, stop: int) -> 
 class Part(NamedTuple):
     """One table's share of a lookup of several: the rows ``[start, stop)`` of the weight it owns, and the
     sink its gradient goes to in backward, ``sink(table rows, gradient rows)`` (a fused optimizer's
-    update; None: the weight's ``.grad``). ``hold``: kept until the backward ran, then let go (a tier's
+    update; None: the weight's ``.grad``). A sink with a ``bags(ids, offsets, bags' gradient)``
+    method may take a sum bag's gradient whole, no sort and no sum here: it gives a job to run on any
+    thread, or None (then it takes the rows).
+    ``hold``: kept until the backward ran, then let go (a tier's
     token: the batch's rows stay in their slots until then)."""
 
     start: int
@@ -68,8 +72,9 @@ def row_gradient(parts: Sequence[Part], rows: Lists, offsets: Lists, scale: List
     tables' nor one table's summed rows ever exist at once. None when the sinks took every row.
     """
     found = []
-    for part, ids, offs, weights, grad in zip(parts, rows, offsets, scale, grads, strict=True):
-        if ids.numel() == 0 and part.sink is not None:  # nothing to hand over
+    taken = _taken_whole(parts, rows, offsets, scale, grads, mode)
+    for part, ids, offs, weights, grad, whole in zip(parts, rows, offsets, scale, grads, taken, strict=True):
+        if whole or (ids.numel() == 0 and part.sink is not None):  # nothing (left) to hand over
             continue
         grad = grad.contiguous()
         unique, starts, bag, weight = _part_rows(ids, offs, weights, mode, grad, part.stop - part.start)
@@ -83,6 +88,24 @@ def row_gradient(parts: Sequence[Part], rows: Lists, offsets: Lists, scale: List
     unique = torch.cat([u for u, _ in found]) if len(found) != 1 else found[0][0]
     summed = torch.cat([v for _, v in found]) if len(found) != 1 else found[0][1]
     return sparse_rows(unique, summed, shape[0], coalesced=True)
+
+
+def _taken_whole(
+    parts: Sequence[Part], rows: Lists, offsets: Lists, scale: Lists, grads: Lists, mode: str
+) -> list[bool]:
+    """Which parts' sinks took their sum bags' gradient whole (``bags``: one native pass each, the tables'
+    passes run at once on the intra-op threads)."""
+    jobs, taken = [], [False] * len(parts)
+    for i, (part, ids, offs, weights, grad) in enumerate(zip(parts, rows, offsets, scale, grads, strict=True)):
+        whole = getattr(part.sink, "bags", None)
+        if whole is None or mode != "sum" or weights is not None or ids.numel() == 0:
+            continue
+        job = whole(ids, offs, grad.contiguous())
+        if job is not None:
+            jobs.append(job)
+            taken[i] = True
+    run_all(jobs)
+    return taken
 
 
 def _to_sink(
