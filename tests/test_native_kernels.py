@@ -252,3 +252,36 @@ def test_kernels_take_only_plain_cpu_tensors_with_storage():
     assert seen == [False] and native.on_cpu_memory(torch.ones(2), torch.nn.Parameter(torch.ones(2)))
     assert not native.on_cpu_memory(torch.ones(2, device="meta"))
     assert not native.on_cpu_memory(torch.ones(2).as_subclass(torch.nn.Buffer))
+
+
+@pytest.mark.parametrize("table", ["collection", "tiered bag"])
+def test_a_fused_sum_bags_backward_takes_the_one_pass_update(rowwise, monkeypatch, tmp_path, table):
+    """The sum bags of a collection and of a tiered table give their gradient whole to the kernel (no
+    sort, no sum per row in torch), and train as the row path does, bit for bit."""
+    from helpers import tiered_bag, train_bags
+
+    calls = []
+    real = _kernel.RowWise._bags
+    monkeypatch.setattr(_kernel.RowWise, "_bags", lambda self, *a: calls.append(1) or real(self, *a))
+
+    def trained(whole: bool, folder) -> torch.Tensor:
+        folder.mkdir()
+        if not whole:
+            monkeypatch.setattr(_kernel.RowWise, "bags_adagrad", lambda *a: None)
+        if table == "tiered bag":
+            module = tiered_bag(folder)
+            optim.fuse(optim.RowWiseAdagrad(module, lr=0.1))
+            train_bags(module, 6, seed=2)
+            return module.tier.peek(torch.arange(50))[0]
+        torch.manual_seed(0)
+        module = shardvar.EmbeddingBagCollection({"a": shardvar.TableConfig(50, 4, 2, "mod")}, sparse=True)
+        optim.fuse(optim.RowWiseAdagrad(module, lr=0.1))
+        g = torch.Generator().manual_seed(2)
+        for _ in range(6):
+            ids = {"a": (torch.rand(8, generator=g) ** 2 * 50).long()}
+            module(ids, {"a": torch.tensor([0, 3, 5])})["a"].square().sum().backward()
+        return module.embedding_bags["a"].weight.to_tensor().detach()
+
+    whole = trained(True, tmp_path / "whole")
+    assert len(calls) == 6
+    assert torch.equal(trained(False, tmp_path / "rows"), whole) and len(calls) == 6

@@ -83,6 +83,21 @@ def to_sink(tier: RowTier, slots: torch.Tensor, grad: torch.Tensor) -> None:
         tier.sink(slots, grad)
 
 
+class _SlotSink:
+    """A tiered bag's sink: the summed rows of cache slots (:func:`to_sink`), or, where the tier's fused
+    optimizer takes it (``bags``), a sum bag's gradient whole."""
+
+    def __init__(self, tier: RowTier) -> None:
+        self.tier = tier
+
+    def __call__(self, slots: torch.Tensor, summed: torch.Tensor) -> None:
+        to_sink(self.tier, slots, summed)
+
+    def bags(self, slots: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor) -> Any:
+        whole = getattr(self.tier.sink, "bags", None)  # None: no fused optimizer (``__call__`` says so)
+        return None if whole is None else whole(slots, offsets, grad)
+
+
 class TieredTable:
     """What ShardedEmbedding(Bag) become over a storage tier (mixed in before the module's class)."""
 
@@ -236,5 +251,5 @@ def _slot_bags(module: Any, input: torch.Tensor, offsets: Any, weights: Any) -> 
                                              weights)  # fmt: skip
     # the part holds the token until backward ran: the batch's rows stay in their slots until then; the
     # summed rows come as distinct ascending slots, nothing left to sum
-    part = Part(0, tier.values.shape[0], lambda rows, summed: to_sink(tier, rows, summed), token)
+    part = Part(0, tier.values.shape[0], _SlotSink(tier), token)
     return sparse_bags(tier.values, module.mode, [part], ([slots], [bag_offsets], [weights]), (module.tiered_rows,))[0]

@@ -118,14 +118,7 @@ class FusedHandle:
         return _SlabSink(self, table, group)
 
     def _tier_sink(self, table: TierTable, group: dict[str, Any]) -> Any:
-        def take(slots: torch.Tensor, values: torch.Tensor) -> None:  # one gradient row per looked-up id
-            self._begin(table)
-            with torch.no_grad():
-                rows, grad = _summed(slots, values, slots)  # per row in the order of the ids, as in memory
-                self.optimizer._apply(table, group, 0, rows, grad, int(table.step) + 1, True)
-                table.tier.mark_dirty(rows)
-
-        return take
+        return _TierSink(self, table, group)
 
     def _hook(self, table: Table, group: dict[str, Any], g: int, member: int) -> Any:
         def apply(p: torch.Tensor) -> None:
@@ -168,6 +161,38 @@ class _SlabSink:
         if job is None:
             return None
         self.handle._begin(table)
+
+        def update() -> None:
+            with torch.no_grad():
+                job()
+
+        return update
+
+
+class _TierSink:
+    """A tiered table's sink: gradient rows of cache slots (summed here), or a sum bag's gradient whole
+    (:meth:`bags`), where the optimizer has a one-pass update of it."""
+
+    def __init__(self, handle: FusedHandle, table: TierTable, group: dict[str, Any]) -> None:
+        self.handle, self.table, self.group = handle, table, group
+
+    def __call__(self, slots: torch.Tensor, values: torch.Tensor) -> None:  # one gradient row per looked-up id
+        table = self.table
+        self.handle._begin(table)
+        with torch.no_grad():
+            rows, grad = _summed(slots, values, slots)  # per row in the order of the ids, as in memory
+            self.handle.optimizer._apply(table, self.group, 0, rows, grad, int(table.step) + 1, True)
+            table.tier.mark_dirty(rows)
+
+    def bags(self, slots: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor) -> Callable[[], None] | None:
+        """The update of the cache slots the sum bags ``(slots, offsets)`` read, as :meth:`_SlabSink.bags`."""
+        table = self.table
+        weight, state = table.group_tensors(0)
+        job = self.handle.optimizer.update_bags(weight, state, slots, offsets, grad, self.group)
+        if job is None:
+            return None
+        self.handle._begin(table)
+        table.tier.mark_dirty(slots)  # (the batch's slots stay put until its backward ended: its token)
 
         def update() -> None:
             with torch.no_grad():
