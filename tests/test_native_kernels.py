@@ -12,7 +12,7 @@ import shardvar
 import shardvar._native as native
 from shardvar import ShardvarIndexError, optim
 from shardvar.optim import _kernel
-from shardvar.optim._optimizers import RowWiseAdagrad
+from shardvar.optim._optimizers import RowWiseAdagrad, RowWiseAdam
 from shardvar.variables import _native_sort
 from shardvar.variables._distinct import sort_stable
 
@@ -69,6 +69,37 @@ def test_rowwise_adagrad_equals_the_torch_rule(rowwise, rows, dim, pad, decay, d
     assert torch.equal(weight[others], expected_w[others]) and torch.equal(acc[others], expected_acc[others])
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 40), dim=st.integers(1, 70), pad=st.integers(0, 3), decay=st.sampled_from([0.0, 0.05]),
+    betas=st.sampled_from([(0.9, 0.999), (0.3, 0.5)]), step=st.sampled_from([1, 7]), data=st.data(),
+)  # fmt: skip
+def test_rowwise_adam_equals_the_torch_rule(rowwise, rows, dim, pad, decay, betas, step, data):
+    """Both forms of torch's lerp (a weight 1 - beta1 under and over 0.5), bias corrections at two steps."""
+    picked = data.draw(st.lists(st.integers(0, rows - 1), unique=True, max_size=rows))
+    ids = torch.tensor(picked, dtype=torch.int64)
+    weight, acc = _table(rows, dim, pad, seed=rows * 100 + dim)
+    moment = torch.randn(rows, dim + pad, generator=torch.Generator().manual_seed(3))[:, :dim]
+    grad = torch.randn(len(picked), dim, generator=torch.Generator().manual_seed(dim))
+    group = {"lr": 0.1, "eps": 1e-8, "weight_decay": decay, "betas": betas}
+    w, s = weight.index_select(0, ids), {"exp_avg": moment.index_select(0, ids), "exp_avg_sq": acc.index_select(0, ids)}
+    RowWiseAdam.update(w, s, grad, step, group, True)
+    expected = weight.clone(), moment.clone(), acc.clone()
+    expected[0][ids], expected[1][ids], expected[2][ids] = w, s["exp_avg"], s["exp_avg_sq"]
+    rule = _kernel.adam_rule(moment, 0.1, betas, 1e-8, decay, step)
+    assert rowwise.rows(rule, weight, acc, ids, grad)
+    for got, want in zip((weight, moment, acc), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-6)
+
+
+def test_adam_takes_only_a_first_moment_of_the_tables_rows(rowwise):
+    weight, acc = _table(10, 4, 0, seed=6)
+    assert _kernel.adam_rule(torch.zeros(10, 4).double(), 0.1, (0.9, 0.99), 1e-8, 0.0, 1) is None
+    assert _kernel.adam_rule(torch.zeros(1, 4).expand(10, 4), 0.1, (0.9, 0.99), 1e-8, 0.0, 1) is None
+    rule = _kernel.adam_rule(torch.zeros(9, 4), 0.1, (0.9, 0.99), 1e-8, 0.0, 1)  # not the table's shape
+    assert not rowwise.rows(rule, weight, acc, torch.tensor([1]), torch.ones(1, 4))
+
+
 def test_a_row_outside_the_table_changes_nothing(rowwise):
     weight, acc = _table(10, 4, 0, seed=1)
     before = weight.clone(), acc.clone()
@@ -78,7 +109,9 @@ def test_a_row_outside_the_table_changes_nothing(rowwise):
     assert torch.equal(weight, before[0]) and torch.equal(acc, before[1])
 
 
-@pytest.mark.parametrize("what", ["float64 rows", "int32 ids", "strided columns", "gradient of another width"])
+@pytest.mark.parametrize(
+    "what", ["float64 rows", "int32 ids", "strided columns", "gradient of another width", "expanded rows", "one acc"]
+)
 def test_tensors_the_kernel_does_not_take_are_left_to_torch(rowwise, what):
     weight, acc = _table(10, 4, 0, seed=2)
     ids, grad = torch.tensor([1, 5]), torch.ones(2, 4)
@@ -88,6 +121,10 @@ def test_tensors_the_kernel_does_not_take_are_left_to_torch(rowwise, what):
         ids = ids.int()
     elif what == "strided columns":
         weight = torch.randn(4, 10).t()
+    elif what == "expanded rows":  # every row one memory: an update of one would change all
+        weight = torch.randn(1, 4).expand(10, 4)
+    elif what == "one acc":
+        acc = torch.rand(1).expand(10)
     else:
         grad = torch.ones(2, 3)
     before = weight.clone(), acc.clone()
@@ -104,10 +141,10 @@ def test_the_update_counts_as_an_inplace_change_for_autograd(rowwise):
         loss.backward()
 
 
-def _trained(sparse: bool, fused: bool) -> torch.Tensor:
+def _trained(sparse: bool, fused: bool, rule: type = optim.RowWiseAdagrad) -> torch.Tensor:
     torch.manual_seed(0)
     bag = shardvar.ShardedEmbeddingBag(50, 6, partitioner=shardvar.fixed_size_partitioner(3), sparse=sparse)
-    opt = optim.RowWiseAdagrad(bag, lr=0.1)  # no decay: a dense step decays rows no id touched
+    opt = rule(bag, lr=0.1)  # no decay: a dense step decays rows no id touched
     if fused:
         optim.fuse(opt)
     g = torch.Generator().manual_seed(1)
@@ -119,18 +156,22 @@ def _trained(sparse: bool, fused: bool) -> torch.Tensor:
     return bag.weight.to_tensor().detach()
 
 
-def test_sparse_and_fused_steps_agree_bit_for_bit_and_dense_to_rounding():
+@pytest.mark.parametrize("rule", [optim.RowWiseAdagrad, optim.RowWiseAdam])
+def test_sparse_and_fused_steps_agree_bit_for_bit_and_dense_to_rounding(rule):
     """The sparse and fused paths update with the same arithmetic (the kernel's, or torch's without it); a
-    dense gradient is summed in another order, so the dense step agrees to rounding."""
-    sparse = _trained(True, False)
-    assert torch.equal(_trained(True, True), sparse)
-    torch.testing.assert_close(_trained(False, False), sparse, rtol=1e-6, atol=1e-7)
+    dense gradient is summed in another order, so the dense step agrees to rounding (Adagrad's: a dense
+    Adam step moves rows no id touched, as torch.optim.Adam does)."""
+    sparse = _trained(True, False, rule)
+    assert torch.equal(_trained(True, True, rule), sparse)
+    if rule is optim.RowWiseAdagrad:
+        torch.testing.assert_close(_trained(False, False, rule), sparse, rtol=1e-5, atol=1e-6)
 
 
-def test_without_the_kernel_the_torch_rule_trains_the_same_to_rounding(rowwise, monkeypatch):
-    with_kernel = _trained(True, True)
+@pytest.mark.parametrize("rule", [optim.RowWiseAdagrad, optim.RowWiseAdam])
+def test_without_the_kernel_the_torch_rule_trains_the_same_to_rounding(rowwise, monkeypatch, rule):
+    with_kernel = _trained(True, True, rule)
     monkeypatch.setattr(_kernel, "_loaded", {"kernel": None})
-    torch.testing.assert_close(_trained(True, True), with_kernel, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(_trained(True, True, rule), with_kernel, rtol=1e-5, atol=1e-6)
 
 
 @settings(max_examples=80, deadline=None)
@@ -179,9 +220,9 @@ def _sequential_sums(ids: torch.Tensor, offsets: torch.Tensor, grad: torch.Tenso
 @given(
     rows=st.sampled_from([1, 5, 300, 1 << 20]), dim=st.integers(1, 20),
     lengths=st.lists(st.integers(0, 9), min_size=1, max_size=30), chunk_rows=st.sampled_from([1, 3, 1 << 20]),
-    wide=st.booleans(), seed=st.integers(0, 2**16),
+    wide=st.booleans(), seed=st.integers(0, 2**16), adam=st.booleans(),
 )  # fmt: skip
-def test_sum_bags_update_equals_summing_then_the_row_update(rowwise, rows, dim, lengths, chunk_rows, wide, seed):
+def test_sum_bags_update_equals_summing_then_the_row_update(rowwise, rows, dim, lengths, chunk_rows, wide, seed, adam):
     """No sort, sums in a hash table's slots, a chunk of rows at a time: the same bits as summing each row's
     bags in the order of the ids, then the row update."""
     g = torch.Generator().manual_seed(seed)
@@ -193,13 +234,18 @@ def test_sum_bags_update_equals_summing_then_the_row_update(rowwise, rows, dim, 
     offsets = (torch.tensor([0, *lengths[:-1]]).cumsum(0)).to(dtype)
     grad = torch.randn(len(lengths), dim, generator=g)
     weight, acc = _table(rows, dim, 1, seed) if rows <= 2048 else (torch.randn(rows, dim), torch.rand(rows))
-    expected_w, expected_acc = weight.clone(), acc.clone()
+    moment = torch.randn(rows, dim)
+    expected = weight.clone(), acc.clone(), moment.clone()
+
+    def rule(m: torch.Tensor) -> _kernel.Rule:
+        return _kernel.adam_rule(m, 0.1, (0.9, 0.99), 1e-8, 0.0, 3) if adam else _kernel.adagrad_rule(0.1, 1e-10, 0.0)
+
     distinct, sums = _sequential_sums(ids.long(), offsets.long(), grad)
-    assert rowwise.adagrad(expected_w, expected_acc, distinct, sums, 0.1, 1e-10, 0.0)
+    assert rowwise.rows(rule(expected[2]), expected[0], expected[1], distinct, sums)
     with pytest.MonkeyPatch.context() as patch:  # sums made a chunk of rows at a time
         patch.setattr(_kernel, "CHUNK_BYTES", chunk_rows * 4 * dim)
-        rowwise.bags_adagrad(weight, acc, ids, offsets, grad, 0.1, 1e-10, 0.0)()
-    assert torch.equal(weight, expected_w) and torch.equal(acc, expected_acc)
+        rowwise.bags(rule(moment), weight, acc, ids, offsets, grad)()
+    assert all(torch.equal(a, b) for a, b in zip((weight, acc, moment), expected, strict=True))
 
 
 @pytest.mark.parametrize("bad", ["id past the table", "negative id", "offsets not from 0", "offsets decreasing"])
@@ -261,13 +307,13 @@ def test_a_fused_sum_bags_backward_takes_the_one_pass_update(rowwise, monkeypatc
     from helpers import tiered_bag, train_bags
 
     calls = []
-    real = _kernel.RowWise._bags
-    monkeypatch.setattr(_kernel.RowWise, "_bags", lambda self, *a: calls.append(1) or real(self, *a))
+    real = _kernel.RowWise._run_bags
+    monkeypatch.setattr(_kernel.RowWise, "_run_bags", lambda self, *a: calls.append(1) or real(self, *a))
 
     def trained(whole: bool, folder) -> torch.Tensor:
         folder.mkdir()
         if not whole:
-            monkeypatch.setattr(_kernel.RowWise, "bags_adagrad", lambda *a: None)
+            monkeypatch.setattr(_kernel.RowWise, "bags", lambda *a: None)
         if table == "tiered bag":
             module = tiered_bag(folder)
             optim.fuse(optim.RowWiseAdagrad(module, lr=0.1))

@@ -19,6 +19,7 @@ from .._errors import ShardvarError, ShardvarIndexError, ShardvarTypeError, Shar
 from .._pages import zeros, zeros_like
 from .._validate import check_number
 from ..variables import ShardsView
+from ._kernel import Rule, rowwise
 from ._tables import Table, find_tables
 
 __all__ = ["TableOptimizer", "Update"]
@@ -156,31 +157,32 @@ class TableOptimizer(torch.optim.Optimizer):
         """Whether the update is ``weight -= lr * grad`` (sparse rows then need no summing)."""
         return False
 
-    def update_rows(
-        self,
-        weight: torch.Tensor,
-        state: dict[str, torch.Tensor],
-        rows: torch.Tensor | None,
-        grad: torch.Tensor,
-        group: dict,
-    ) -> bool:
+    def native_rule(self, state: dict[str, torch.Tensor], group: dict, step: int) -> tuple[Rule, torch.Tensor] | None:
+        """The native kernels' form of this optimizer's update at ``step`` and the row-wise state it updates
+        (``optim._kernel``), or None: the torch ops run."""
+        return None
+
+    def update_rows(self, weight: torch.Tensor, state: dict[str, torch.Tensor], rows: torch.Tensor | None,
+                    grad: torch.Tensor, group: dict, step: int) -> bool:  # fmt: skip
         """Update the distinct ``rows`` (None: all) of ``weight`` and ``state`` in place in one native pass over
         them, or return False (nothing changed): no kernel for this rule or these tensors, so the torch ops run."""
-        return False
+        kernel, found = rowwise(), self.native_rule(state, group, step)
+        if kernel is None or found is None:
+            return False
+        if rows is None:  # dense: every row, in the same arithmetic as a sparse step's
+            rows = torch.arange(weight.shape[0], device=weight.device)
+        return kernel.rows(found[0], weight, found[1], rows, grad)
 
-    def update_bags(
-        self,
-        weight: torch.Tensor,
-        state: dict[str, torch.Tensor],
-        ids: torch.Tensor,
-        offsets: torch.Tensor,
-        grad: torch.Tensor,
-        group: dict,
-    ) -> Callable[[], None] | None:
+    def update_bags(self, weight: torch.Tensor, state: dict[str, torch.Tensor], ids: torch.Tensor,
+                    offsets: torch.Tensor, grad: torch.Tensor, group: dict,
+                    step: int) -> Callable[[], None] | None:  # fmt: skip
         """The update of the rows of ``weight`` (and ``state``) that the sum bags ``(ids, offsets)`` read, each with
         the sum of its bags' ``grad``, in one native pass: a job to run on any thread (the tables of a
         collection are updated at once); None: no such kernel here."""
-        return None
+        kernel, found = rowwise(), self.native_rule(state, group, step)
+        if kernel is None or found is None:
+            return None
+        return kernel.bags(found[0], weight, found[1], ids, offsets, grad)
 
     def needed_slots(self) -> dict[str, tuple[bool, str | float]]:
         """The state every table gets (SGD's momentum buffer only if a group has momentum)."""
@@ -245,7 +247,7 @@ class TableOptimizer(torch.optim.Optimizer):
         if sparse and self.linear(group):  # duplicates add up in the update itself, as torch's sparse add_ does
             weight.index_add_(0, rows, grad, alpha=-group["lr"])
             return
-        if self.update_rows(weight, state, rows, grad, group):  # every path the same arithmetic, where it does
+        if self.update_rows(weight, state, rows, grad, group, step):  # every path the same arithmetic, where it can
             return
         if rows is None:  # dense: in place on the slab and its state
             self.update(weight, state, grad, step, group, False)

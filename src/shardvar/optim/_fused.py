@@ -157,7 +157,7 @@ class _SlabSink:
         if table.store.logical_slab != self.logical:  # the rows moved since the lookup read them
             return None
         weight, state = table.group_tensors(0)
-        job = self.handle.optimizer.update_bags(weight, state, ids, offsets, grad, self.group)
+        job = self.handle.optimizer.update_bags(weight, state, ids, offsets, grad, self.group, int(table.step) + 1)
         if job is None:
             return None
         self.handle._begin(table)
@@ -188,7 +188,7 @@ class _TierSink:
         """The update of the cache slots the sum bags ``(slots, offsets)`` read, as :meth:`_SlabSink.bags`."""
         table = self.table
         weight, state = table.group_tensors(0)
-        job = self.handle.optimizer.update_bags(weight, state, slots, offsets, grad, self.group)
+        job = self.handle.optimizer.update_bags(weight, state, slots, offsets, grad, self.group, int(table.step) + 1)
         if job is None:
             return None
         self.handle._begin(table)

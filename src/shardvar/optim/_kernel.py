@@ -1,10 +1,10 @@
-"""Optional native kernels for the row-wise sparse updates (``_rowwise.c``).
+"""Optional native kernels for the row-wise sparse updates (``_rowwise.c``): RowWiseAdagrad, RowWiseAdam.
 
 What they buy: torch's ops update a batch's distinct rows in five passes over them (gather the
 rows and their state, the gradient's norm, the division, scatter both back), each a kernel call
-per slice of rows; :meth:`RowWise.adagrad` reads and writes each row and its state once. A fused
-sum bag's backward goes further (:meth:`RowWise.bags_adagrad`): no sort of the ids and no segment
-sum, each distinct row's gradient summed in a hash table's slot and applied at once.
+per slice of rows; :meth:`RowWise.rows` reads and writes each row and its state once. A fused sum
+bag's backward goes further (:meth:`RowWise.bags`): no sort of the ids and no segment sum, each
+distinct row's gradient summed in a hash table's slot and applied at once.
 
 They are compiled on first use and cached (:mod:`shardvar._native`); without them (no compiler,
 ``SHARDVAR_NATIVE=0``, tensors they do not take) the torch ops run. Both compute the same rule in
@@ -16,25 +16,55 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
 from .. import _native
 from .._errors import ShardvarIndexError, ShardvarValueError
 
-__all__ = ["RowWise", "rowwise"]
+__all__ = ["Rule", "RowWise", "adagrad_rule", "adam_rule", "rowwise"]
 
 SOURCE = Path(__file__).with_name("_rowwise.c")
-_ABI = 2  # sv_optim_abi_version() of the source this module calls
+_ABI = 3  # sv_optim_abi_version() of the source this module calls
 FLAGS = ("-O3",)  # -O3: the row loops vectorised
 # The sums of a batch's distinct rows are made this many bytes of them at a time (one pass over the
 # ids each), so their memory stays bounded whatever the batch: one pass for typical batches.
 CHUNK_BYTES = 4 << 20
 _lock = threading.Lock()
 _loaded: dict[str, RowWise | None] = {}
+c = ctypes
+
+
+class Rule(c.Structure):
+    """An update rule and its options as the kernel reads them (``rule_t``)."""
+
+    _fields_: ClassVar = [("rule", c.c_int64), ("lr", c.c_float), ("eps", c.c_float), ("decay", c.c_float),
+                            ("beta1_weight", c.c_float), ("beta2", c.c_float), ("one_minus_beta2", c.c_float),
+                            ("sqrt_bias2", c.c_float), ("step_size", c.c_float), ("moment", c.c_void_p),
+                            ("moment_stride", c.c_int64)]  # fmt: skip
+
+
+def adagrad_rule(lr: float, eps: float, decay: float) -> Rule:
+    """Row-wise Adagrad with these options."""
+    return Rule(0, lr, eps, decay)
+
+
+def adam_rule(moment: torch.Tensor, lr: float, betas: tuple[float, float], eps: float, decay: float,
+              step: int) -> Rule | None:  # fmt: skip
+    """Row-wise Adam at ``step`` with its first moment ``moment`` (a row per table row); None where the
+    kernel cannot take ``moment``."""
+    if not _rows(moment):
+        return None
+    b1, b2 = betas
+    rule = Rule(1, lr, eps, decay, 1 - b1, b2, 1 - b2, math.sqrt(1 - b2**step), -lr / (1 - b1**step),
+                moment.data_ptr(), moment.stride(0))  # fmt: skip
+    rule.tensor, rule.shape = moment, tuple(moment.shape)  # kept alive with the rule; checked against the table
+    return rule
 
 
 class RowWise:
@@ -43,82 +73,93 @@ class RowWise:
     def __init__(self, library: ctypes.CDLL) -> None:
         if library.sv_optim_abi_version() != _ABI:
             raise OSError(f"the native library is version {library.sv_optim_abi_version()}, not {_ABI}")
-        fn = library.sv_rowwise_adagrad
-        c = ctypes
+        fn = library.sv_rowwise_update
         fn.argtypes = (c.c_void_p, c.c_int64, c.c_int64, c.c_void_p, c.c_int64, c.c_void_p, c.c_int64,
-                       c.c_void_p, c.c_int64, c.c_int64, c.c_float, c.c_float, c.c_float)  # fmt: skip
+                       c.c_void_p, c.c_int64, c.c_int64, c.POINTER(Rule))  # fmt: skip
         fn.restype = c.c_int64
-        self._adagrad = fn
-        fn = library.sv_bags_rowwise_adagrad
+        self._rows = fn
+        fn = library.sv_bags_rowwise_update
         fn.argtypes = (c.c_void_p, c.c_int64, c.c_int64, c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p, c.c_int,
-                       c.c_int64, c.c_int64, c.c_void_p, c.c_int64, c.c_int64, c.c_float, c.c_float, c.c_float,
-                       c.c_void_p, c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int64,
-                       c.c_void_p)  # fmt: skip
+                       c.c_int64, c.c_int64, c.c_void_p, c.c_int64, c.c_int64, c.POINTER(Rule), c.c_void_p,
+                       c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int64, c.c_void_p)  # fmt: skip
         fn.restype = None
-        self._bags_adagrad = fn
+        self._bags = fn
         self._scratch = threading.local()  # each thread's hash table and sums, kept warm from call to call
 
-    def adagrad(self, weight: torch.Tensor, acc: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor,
-                lr: float, eps: float, decay: float) -> bool:  # fmt: skip
-        """Row-wise Adagrad of the distinct ``rows`` of ``weight`` (and their accumulators ``acc``) in place;
+    def rows(self, rule: Rule, weight: torch.Tensor, acc: torch.Tensor, rows: torch.Tensor,
+             grad: torch.Tensor) -> bool:  # fmt: skip
+        """``rule``'s update of the distinct ``rows`` of ``weight`` (their row-wise state ``acc``) in place;
         False (nothing changed) where the tensors are not laid out as the kernel takes them."""
-        if not (_table(weight, acc) and _gradient(grad, rows.numel(), weight)):
+        if not (_table(rule, weight, acc) and _gradient(grad, rows.numel(), weight)):
             return False
         if rows.dtype != torch.int64 or rows.dim() != 1 or not rows.is_contiguous() or not _native.on_cpu_memory(rows):
             return False
-        bad = self._adagrad(weight.data_ptr(), weight.stride(0), weight.shape[0], acc.data_ptr(), acc.stride(0),
-                            rows.data_ptr(), rows.numel(), grad.data_ptr(), grad.stride(0), weight.shape[1],
-                            lr, eps, decay)  # fmt: skip
+        bad = self._rows(weight.data_ptr(), weight.stride(0), weight.shape[0], acc.data_ptr(), acc.stride(0),
+                         rows.data_ptr(), rows.numel(), grad.data_ptr(), grad.stride(0), weight.shape[1],
+                         rule)  # fmt: skip
         if bad:
             raise ShardvarIndexError(f"row {int(rows[bad - 1])} is outside the table's {weight.shape[0]} rows")
-        torch.autograd.graph.increment_version((weight, acc))  # as an in-place torch op would
+        _changed(rule, weight, acc)
         return True
 
-
-    def bags_adagrad(self, weight: torch.Tensor, acc: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
-                     grad: torch.Tensor, lr: float, eps: float, decay: float) -> Callable[[], None] | None:  # fmt: skip
-        """The row-wise Adagrad update of the rows of ``weight`` that the sum bags (``ids``, ``offsets``) read, each
-        with the sum of its bags' ``grad`` rows, in one pass and no sort: a job to run on any thread; None
-        where the tensors are not laid out as the kernel takes them."""
-        if not (_table(weight, acc) and _gradient(grad, offsets.numel(), weight) and _indices(ids, offsets)):
+    def bags(self, rule: Rule, weight: torch.Tensor, acc: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
+             grad: torch.Tensor) -> Callable[[], None] | None:  # fmt: skip
+        """``rule``'s update of the rows of ``weight`` that the sum bags (``ids``, ``offsets``) read, each with the
+        sum of its bags' ``grad`` rows, in one pass and no sort: a job to run on any thread; None where
+        the tensors are not laid out as the kernel takes them."""
+        if not (_table(rule, weight, acc) and _gradient(grad, offsets.numel(), weight) and _indices(ids, offsets)):
             return None
         if (offsets.numel() == 0 and ids.numel()) or ids.numel() >= 1 << 31:  # no bag for the ids (torch's op
             return None  # says what is wrong), or more ids than the kernel's 32-bit slots count
+        return functools.partial(self._run_bags, rule, weight, acc, ids, offsets, grad)
 
-        return functools.partial(self._bags, weight, acc, ids, offsets, grad, (lr, eps, decay))
+    def adagrad(self, weight: torch.Tensor, acc: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor,
+                lr: float, eps: float, decay: float) -> bool:  # fmt: skip
+        """:meth:`rows` of row-wise Adagrad."""
+        return self.rows(adagrad_rule(lr, eps, decay), weight, acc, rows, grad)
 
-    def _bags(self, weight: torch.Tensor, acc: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
-              grad: torch.Tensor, options: tuple[float, float, float]) -> None:  # fmt: skip
+    def bags_adagrad(self, weight: torch.Tensor, acc: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
+                     grad: torch.Tensor, lr: float, eps: float, decay: float) -> Callable[[], None] | None:  # fmt: skip
+        """:meth:`bags` of row-wise Adagrad."""
+        return self.bags(adagrad_rule(lr, eps, decay), weight, acc, ids, offsets, grad)
+
+    def _run_bags(self, rule: Rule, weight: torch.Tensor, acc: torch.Tensor, ids: torch.Tensor,
+                  offsets: torch.Tensor, grad: torch.Tensor) -> None:  # fmt: skip
         n, dim = ids.numel(), weight.shape[1]
         keys, slots, id_slot, rows, sums = self._buffers(n, dim)  # this thread's
         info = (ctypes.c_int64 * 3)()
-        self._bags_adagrad(weight.data_ptr(), weight.stride(0), weight.shape[0], acc.data_ptr(), acc.stride(0),
-                           ids.data_ptr(), offsets.data_ptr(), ids.element_size(), n, offsets.numel(), grad.data_ptr(),
-                           grad.stride(0), dim, *options, keys.data_ptr(), slots.data_ptr(), keys.numel(),
-                           id_slot.data_ptr(), rows.data_ptr(), sums.data_ptr(), _chunk(dim), info)  # fmt: skip
+        self._bags(weight.data_ptr(), weight.stride(0), weight.shape[0], acc.data_ptr(), acc.stride(0),
+                   ids.data_ptr(), offsets.data_ptr(), ids.element_size(), n, offsets.numel(), grad.data_ptr(),
+                   grad.stride(0), dim, rule, keys.data_ptr(), slots.data_ptr(), keys.numel(), id_slot.data_ptr(),
+                   rows.data_ptr(), sums.data_ptr(), _chunk(dim), info)  # fmt: skip
         if info[0] == 1:
             raise ShardvarIndexError(f"id {int(ids[info[1]])} is outside the table's {weight.shape[0]} rows")
         if info[0] == 2:
             raise ShardvarValueError(f"offsets must start at 0 and not decrease, within the {n} ids; bag {info[1]} "
                                      f"starts at {int(offsets[info[1]])}")  # fmt: skip
-        torch.autograd.graph.increment_version((weight, acc))
+        _changed(rule, weight, acc)
 
     def _buffers(self, n: int, dim: int) -> tuple[torch.Tensor, ...]:
         """This thread's scratch for ``n`` ids of rows of ``dim``: (hash keys, hash slots, each id's slot,
         distinct rows, sums of a chunk of rows), grown as needed and kept."""
         capacity = 1 << max(4, (2 * n - 1).bit_length())
-        chunk = _chunk(dim)
+        sums = _chunk(dim) * dim
         held = getattr(self._scratch, "buffers", None)
-        if held is None or held[0].numel() < capacity or held[2].numel() < n or held[4].numel() < chunk * dim:
-            grown = max(capacity, held[0].numel() if held else 0)
-            ids = max(n, held[2].numel() if held else 0)
+        if held is None or held[0].numel() < capacity or held[2].numel() < n or held[4].numel() < sums:
+            grown, ids = max(capacity, held[0].numel() if held else 0), max(n, held[2].numel() if held else 0)
             held = self._scratch.buffers = (
                 torch.empty(grown, dtype=torch.int64), torch.empty(grown, dtype=torch.int32),
                 torch.empty(ids, dtype=torch.int32), torch.empty(ids, dtype=torch.int64),
-                torch.empty(max(chunk * dim, held[4].numel() if held else 0), dtype=torch.float32),
+                torch.empty(max(sums, held[4].numel() if held else 0), dtype=torch.float32),
             )  # fmt: skip
-        keys, slots, id_slot, rows, sums = held
-        return keys[:capacity], slots[:capacity], id_slot, rows, sums[: chunk * dim]
+        keys, slots, id_slot, rows, chunk = held
+        return keys[:capacity], slots[:capacity], id_slot, rows, chunk[:sums]
+
+
+def _changed(rule: Rule, weight: torch.Tensor, acc: torch.Tensor) -> None:
+    """Count the update as an in-place change of what it wrote, as a torch op would (autograd checks it)."""
+    moment = getattr(rule, "tensor", None)
+    torch.autograd.graph.increment_version((weight, acc) if moment is None else (weight, acc, moment))
 
 
 def _chunk(dim: int) -> int:
@@ -126,13 +167,22 @@ def _chunk(dim: int) -> int:
     return max(1, CHUNK_BYTES // (4 * max(dim, 1)))
 
 
-def _table(weight: torch.Tensor, acc: torch.Tensor) -> bool:
-    """Whether ``weight`` is 2-D float32 CPU rows of unit stride and ``acc`` one float32 per row."""
-    if not _native.on_cpu_memory(weight, acc) or weight.dim() != 2 or weight.dtype != torch.float32:
+def _rows(x: torch.Tensor) -> bool:
+    """Whether ``x`` is 2-D float32 CPU rows of unit stride that do not overlap (as an expanded tensor's do:
+    torch's in-place ops refuse those)."""
+    if not _native.on_cpu_memory(x) or x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1:
         return False
-    if weight.stride(1) != 1:
+    return x.shape[0] <= 1 or x.stride(0) >= max(x.shape[1], 1)
+
+
+def _table(rule: Rule, weight: torch.Tensor, acc: torch.Tensor) -> bool:
+    """Whether the kernel takes ``weight``, its row-wise state ``acc`` (one float32 per row) and the rule's
+    first moment (Adam's: a row per table row)."""
+    if not (_rows(weight) and _native.on_cpu_memory(acc) and acc.dim() == 1 and acc.dtype == torch.float32):
         return False
-    return acc.dim() == 1 and acc.dtype == torch.float32 and acc.shape[0] == weight.shape[0]
+    if getattr(rule, "shape", tuple(weight.shape)) != tuple(weight.shape):
+        return False
+    return acc.shape[0] == weight.shape[0] and (acc.shape[0] <= 1 or acc.stride(0) >= 1)
 
 
 def _gradient(grad: torch.Tensor, count: int, weight: torch.Tensor) -> bool:
@@ -152,7 +202,7 @@ def _indices(ids: torch.Tensor, offsets: torch.Tensor) -> bool:
 
 
 def rowwise() -> RowWise | None:
-    """This process's row-wise update kernel (compiled and loaded on the first call), or None."""
+    """This process's row-wise update kernels (compiled and loaded on the first call), or None."""
     with _lock:
         if "kernel" not in _loaded:
             _loaded["kernel"] = _native.load(SOURCE, "rowwise", _ABI, RowWise, "a row-wise update", FLAGS)

@@ -11,7 +11,6 @@ row-wise Adagrad, and Adam with a row-wise second moment.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -19,7 +18,7 @@ import torch
 from .._errors import ShardvarValueError
 from .._validate import check_bool, check_number
 from ._base import TableOptimizer
-from ._kernel import rowwise
+from ._kernel import Rule, adagrad_rule, adam_rule
 
 __all__ = ["SGD", "Adagrad", "RowWiseAdagrad", "Adam", "RowWiseAdam"]
 
@@ -118,35 +117,8 @@ class RowWiseAdagrad(TableOptimizer):
         for name in ("initial_accumulator_value", "eps"):
             check_number(group[name], name, minimum=0)
 
-    def update_rows(
-        self,
-        weight: torch.Tensor,
-        state: dict[str, torch.Tensor],
-        rows: torch.Tensor | None,
-        grad: torch.Tensor,
-        group: dict,
-    ) -> bool:
-        kernel = rowwise()
-        if kernel is None:
-            return False
-        if rows is None:  # dense: every row, in the same arithmetic as a sparse step's
-            rows = torch.arange(weight.shape[0], device=weight.device)
-        return kernel.adagrad(weight, state["sum"], rows, grad, group["lr"], group["eps"], group["weight_decay"])
-
-    def update_bags(
-        self,
-        weight: torch.Tensor,
-        state: dict[str, torch.Tensor],
-        ids: torch.Tensor,
-        offsets: torch.Tensor,
-        grad: torch.Tensor,
-        group: dict,
-    ) -> Callable[[], None] | None:
-        kernel = rowwise()
-        if kernel is None:
-            return None
-        o = group
-        return kernel.bags_adagrad(weight, state["sum"], ids, offsets, grad, o["lr"], o["eps"], o["weight_decay"])
+    def native_rule(self, state: dict[str, torch.Tensor], group: dict, step: int) -> tuple[Rule, torch.Tensor] | None:
+        return adagrad_rule(group["lr"], group["eps"], group["weight_decay"]), state["sum"]
 
     @staticmethod
     def update(w: torch.Tensor, s: dict, g: torch.Tensor, step: int, o: dict, sparse: bool) -> None:
@@ -191,6 +163,11 @@ class RowWiseAdam(Adam):
     """Adam with the first moment per element and the second per row (mean over the row)."""
 
     slots: ClassVar[dict[str, tuple[bool, str | float]]] = {"exp_avg": (False, 0.0), "exp_avg_sq": (True, 0.0)}
+
+    def native_rule(self, state: dict[str, torch.Tensor], group: dict, step: int) -> tuple[Rule, torch.Tensor] | None:
+        o = group
+        rule = adam_rule(state["exp_avg"], o["lr"], _betas(o), o["eps"], o["weight_decay"], step)
+        return None if rule is None else (rule, state["exp_avg_sq"])
 
     @staticmethod
     def update(w: torch.Tensor, s: dict, g: torch.Tensor, step: int, o: dict, sparse: bool) -> None:

@@ -1,7 +1,10 @@
 /* Row-wise updates of distinct table rows in one pass (shardvar/optim/_kernel.py loads this).
  *
- * sv_rowwise_adagrad updates, for each i, row rows[i] of a float32 table and its one accumulator:
- *   g = grad[i] (+ weight_decay * w);  acc += |g|^2 / dim;  w -= lr * g / (sqrt(acc) + eps)
+ * sv_rowwise_update updates, for each i, row rows[i] of a float32 table and its row-wise state
+ * (acc), by one of two rules (g = grad[i] + weight_decay * w, ms = |g|^2 / dim):
+ *   Adagrad:  acc += ms;  w -= lr * g / (sqrt(acc) + eps)
+ *   Adam:     m = lerp(m, g, 1 - beta1);  acc = beta2 * acc + (1 - beta2) * ms;
+ *             w -= lr / (1 - beta1^t) * m / (sqrt(acc) / sqrt(1 - beta2^t) + eps)   (m: one per element)
  * reading and writing each row once, where the torch ops read it five times (gather, norm,
  * divide, scatter back, the state alike). The rows must be distinct (one row, one update).
  * Every row id is checked before any row changes: returns 0, or 1 + the position of the first id
@@ -9,7 +12,7 @@
  * pool (whose threads spin a while after each parallel region) made the fused collection step of
  * issue 37 ~40 ms slower, not faster. No Python here: ctypes calls it without the interpreter's lock.
  *
- * sv_bags_rowwise_adagrad takes a sum bag's gradient whole: the ids of each bag (bag b holds ids
+ * sv_bags_rowwise_update takes a sum bag's gradient whole: the ids of each bag (bag b holds ids
  * [offsets[b], offsets[b + 1]), the last to n), the gradient of each bag, and updates every distinct
  * row with the sum of the gradients of the bags that hold it, added in the order of the ids (the
  * order a stable sort and a segment sum add them in: the same sum, bit for bit). No sort: each id
@@ -20,19 +23,31 @@
 #include <math.h>
 #include <stdint.h>
 
+int sv_optim_abi_version(void) { return 3; }
 
-int sv_optim_abi_version(void) { return 2; }
+#define RULE_ADAGRAD 0
+#define RULE_ADAM 1
+
+typedef struct {
+    int64_t rule;
+    float lr, eps, decay;
+    float beta1_weight;                  /* Adam: 1 - beta1, the first moment's lerp weight */
+    float beta2, one_minus_beta2;        /* Adam */
+    float sqrt_bias2, step_size;         /* Adam: sqrt(1 - beta2^t), -lr / (1 - beta1^t) */
+    float *moment;                       /* Adam's first moment: a row per table row */
+    int64_t moment_stride;
+} rule_t;
 
 typedef struct {
     float *weight;
     int64_t weight_stride;
-    float *acc;
+    float *acc;  /* the row-wise state: Adagrad's sum, Adam's second moment */
     int64_t acc_stride;
     const int64_t *rows;
     const float *grad;
     int64_t grad_stride, dim, lo, hi;
-    float lr, eps, decay;
-} adagrad_job;
+    const rule_t *rule;
+} job_t;
 
 /* |x|^2 of a row in LANES independent sums (one chain of dependent adds would cost its latency per
    element), then summed pairwise. */
@@ -58,46 +73,73 @@ static float row_squares(const float *g, const float *w, float decay, int64_t di
 
 /* Rows are random: each waits for memory unless asked for ahead (a row's work is too long for the
    processor to run far enough ahead by itself). */
-#define AHEAD 16
+#define AHEAD 8
 
-static void fetch_row(const adagrad_job *j, int64_t row) {
-    const char *w = (const char *)(j->weight + row * j->weight_stride);
-    for (int64_t b = 0; b < j->dim * (int64_t)sizeof(float); b += 64)
-        __builtin_prefetch(w + b, 1);
-    __builtin_prefetch(j->acc + row * j->acc_stride, 1);
+static void fetch(const float *row, int64_t dim) {
+    for (int64_t b = 0; b < dim * (int64_t)sizeof(float); b += 64)
+        __builtin_prefetch((const char *)row + b, 1);
 }
 
-static void adagrad_rows(const adagrad_job *j) {
+static void adagrad_row(const job_t *j, float *w, float *acc, const float *g) {
+    const rule_t *r = j->rule;
     const int64_t dim = j->dim;
-    const float decay = j->decay, step = -j->lr;
+    const float decay = r->decay, step = -r->lr;
+    float norm = sqrtf(row_squares(g, w, decay, dim));
+    float total = *acc + norm * norm / (float)(dim > 0 ? dim : 1);
+    *acc = total;
+    float denominator = sqrtf(total) + r->eps;
+    if (decay != 0.0f)
+        for (int64_t d = 0; d < dim; ++d)
+            w[d] = w[d] + step * ((g[d] + decay * w[d]) / denominator);
+    else
+        for (int64_t d = 0; d < dim; ++d)
+            w[d] = w[d] + step * (g[d] / denominator);
+}
+
+static void adam_row(const job_t *j, float *w, float *acc, float *m, const float *g) {
+    const rule_t *r = j->rule;
+    const int64_t dim = j->dim;
+    const float decay = r->decay, a = r->beta1_weight, b = 1.0f - a;
+    float norm = sqrtf(row_squares(g, w, decay, dim));
+    for (int64_t d = 0; d < dim; ++d) {  /* torch's lerp: the form it takes for the weight */
+        float x = decay != 0.0f ? g[d] + decay * w[d] : g[d];
+        m[d] = a < 0.5f ? m[d] + a * (x - m[d]) : x - (x - m[d]) * b;
+    }
+    float second = *acc * r->beta2 + r->one_minus_beta2 * (norm * norm / (float)(dim > 0 ? dim : 1));
+    *acc = second;
+    float denominator = sqrtf(second) / r->sqrt_bias2 + r->eps;
+    for (int64_t d = 0; d < dim; ++d)
+        w[d] = w[d] + r->step_size * (m[d] / denominator);
+}
+
+static void update_rows(const job_t *j) {
+    const rule_t *r = j->rule;
     for (int64_t i = j->lo; i < j->hi; ++i) {
-        if (i + AHEAD < j->hi)
-            fetch_row(j, j->rows[i + AHEAD]);
-        float *w = j->weight + j->rows[i] * j->weight_stride;
+        if (i + AHEAD < j->hi) {
+            int64_t next = j->rows[i + AHEAD];
+            fetch(j->weight + next * j->weight_stride, j->dim);
+            __builtin_prefetch(j->acc + next * j->acc_stride, 1);
+            if (r->rule == RULE_ADAM)
+                fetch(r->moment + next * r->moment_stride, j->dim);
+        }
+        int64_t row = j->rows[i];
+        float *w = j->weight + row * j->weight_stride, *acc = j->acc + row * j->acc_stride;
         const float *g = j->grad + i * j->grad_stride;
-        float *acc = j->acc + j->rows[i] * j->acc_stride;
-        float norm = sqrtf(row_squares(g, w, decay, dim));
-        float total = *acc + norm * norm / (float)(dim > 0 ? dim : 1);
-        *acc = total;
-        float denominator = sqrtf(total) + j->eps;
-        if (decay != 0.0f)
-            for (int64_t d = 0; d < dim; ++d)
-                w[d] = w[d] + step * ((g[d] + decay * w[d]) / denominator);
+        if (r->rule == RULE_ADAM)
+            adam_row(j, w, acc, r->moment + row * r->moment_stride, g);
         else
-            for (int64_t d = 0; d < dim; ++d)
-                w[d] = w[d] + step * (g[d] / denominator);
+            adagrad_row(j, w, acc, g);
     }
 }
 
-int64_t sv_rowwise_adagrad(float *weight, int64_t weight_stride, int64_t num_rows, float *acc,
-                           int64_t acc_stride, const int64_t *rows, int64_t count, const float *grad,
-                           int64_t grad_stride, int64_t dim, float lr, float eps, float decay) {
+int64_t sv_rowwise_update(float *weight, int64_t weight_stride, int64_t num_rows, float *acc, int64_t acc_stride,
+                          const int64_t *rows, int64_t count, const float *grad, int64_t grad_stride, int64_t dim,
+                          const rule_t *rule) {
     for (int64_t i = 0; i < count; ++i)
         if (rows[i] < 0 || rows[i] >= num_rows)
             return i + 1;
-    adagrad_job job = {weight, weight_stride, acc, acc_stride, rows, grad, grad_stride, dim, 0, count,
-                       lr, eps, decay};
-    adagrad_rows(&job);
+    job_t job = {weight, weight_stride, acc, acc_stride, rows, grad, grad_stride, dim, 0, count, rule};
+    update_rows(&job);
     return 0;
 }
 
@@ -121,11 +163,11 @@ static int64_t id_at(const void *ids, int bytes, int64_t i) {
 
 /* info[0]: 0, or 1 (an id outside the table: info[1] its position) or 2 (offsets out of order: info[1]
    the bag); info[2]: how many distinct rows were updated. */
-void sv_bags_rowwise_adagrad(float *weight, int64_t weight_stride, int64_t num_rows, float *acc, int64_t acc_stride,
-                             const void *ids, const void *offsets, int index_bytes, int64_t n, int64_t bags,
-                             const float *grad, int64_t grad_stride, int64_t dim, float lr, float eps, float decay,
-                             int64_t *keys, int32_t *slots, int64_t capacity, int32_t *id_slot, int64_t *rows,
-                             float *sums, int64_t chunk, int64_t *info) {
+void sv_bags_rowwise_update(float *weight, int64_t weight_stride, int64_t num_rows, float *acc, int64_t acc_stride,
+                            const void *ids, const void *offsets, int index_bytes, int64_t n, int64_t bags,
+                            const float *grad, int64_t grad_stride, int64_t dim, const rule_t *rule, int64_t *keys,
+                            int32_t *slots, int64_t capacity, int32_t *id_slot, int64_t *rows, float *sums,
+                            int64_t chunk, int64_t *info) {
     info[0] = info[1] = info[2] = 0;
     for (int64_t i = 0; i < n; ++i) {
         int64_t row = id_at(ids, index_bytes, i);
@@ -162,9 +204,8 @@ void sv_bags_rowwise_adagrad(float *weight, int64_t weight_stride, int64_t num_r
                     sum[d] += g[d];
             }
         }
-        adagrad_job job = {weight, weight_stride, acc, acc_stride, rows + first, sums, dim, dim, 0, last - first,
-                           lr, eps, decay};
-        adagrad_rows(&job);
+        job_t job = {weight, weight_stride, acc, acc_stride, rows + first, sums, dim, dim, 0, last - first, rule};
+        update_rows(&job);
     }
     info[2] = count;
 }
