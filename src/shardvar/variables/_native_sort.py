@@ -24,8 +24,10 @@ __all__ = ["Sorter", "sorter"]
 
 SOURCE = Path(__file__).with_name("_sort.c")
 _ABI = 1  # sv_sort_abi_version() of the source this module calls
-# Larger sorts take torch's: the scratch a thread keeps (32 bytes an id) stays at most 32 MiB.
-MAX_KEYS = 1 << 20
+# Larger sorts take torch's, whose radix sort runs on the intra-op threads (2^18 ids of a 2^20 range:
+# 5.1 ms here on one thread, 4.3 ms torch's on two; 65536 ids: 0.9 ms here, 1.6 ms torch's). The
+# scratch a thread keeps (32 bytes an id) stays at most 4 MiB.
+MAX_KEYS = 1 << 17
 _lock = threading.Lock()
 _loaded: dict[str, Sorter | None] = {}
 
