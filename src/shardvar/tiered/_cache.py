@@ -283,15 +283,17 @@ class RowCache:
         file is read while it computes, and ``resolve`` takes the staged records instead of reading.
         """
         with self.lock:
-            distinct = torch.unique(ids.reshape(-1))
-            if distinct.numel():
-                self._check(int(distinct[0]), int(distinct[-1]))
+            flat = ids.reshape(-1)
+            if flat.numel():
+                self._check(int(flat.min()), int(flat.max()))
+            missing = flat[self.index.find(flat) < 0]  # a gather of every id, a sort of the few misses only
+            distinct = torch.unique(missing)
             # the last set is kept while its batch may still want it; one whose rows are all in the slots is spent
             kept = [s for s in self._staged[-1:] if bool((self.lookup(s.ids) < 0).any())]
             if self.reserve is not None:  # every staged record together stays within the reserve
                 held = sum(s.ids.numel() for s in kept)
                 limit = min(limit, (self.reserve + 1) // 2, self.reserve - held)
-            staged = _Staged(distinct[self.lookup(distinct) < 0][: max(limit, 0)])
+            staged = _Staged(distinct[: max(limit, 0)])
             self._staged = [*kept, staged]
             writing = self.behind.pending  # issued before this set: read after it (later ones mark ``written``)
         if staged.ids.numel():
