@@ -3,6 +3,10 @@ Adagrad update (``optim/_kernel.py``) and the stable sort of ids (``variables/_n
 
 from __future__ import annotations
 
+import os
+import time
+import warnings
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -269,7 +273,6 @@ def test_sum_bags_update_refuses_bad_input_and_changes_nothing(rowwise, bad):
 
 def test_jobs_run_on_several_threads_and_a_failure_is_raised_after_all_ended(monkeypatch):
     import threading
-    import time
 
     from shardvar._threads import run_all
 
@@ -331,3 +334,33 @@ def test_a_fused_sum_bags_backward_takes_the_one_pass_update(rowwise, monkeypatc
     whole = trained(True, tmp_path / "whole")
     assert len(calls) == 6
     assert torch.equal(trained(False, tmp_path / "rows"), whole) and len(calls) == 6
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_jobs_run_in_a_forked_child_after_the_parent_used_helper_threads(monkeypatch):
+    """A child forked after the pool started has none of its threads: it must make its own, not wait forever."""
+    from shardvar._threads import run_all
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    done: list[int] = []
+    run_all([lambda: done.append(1), lambda: done.append(2)])  # the parent's pool now exists
+    with warnings.catch_warnings():  # Python 3.12 warns of fork in a process with threads: that is the case here
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if both jobs ran
+        try:
+            seen: list[int] = []
+            run_all([lambda: seen.append(1), lambda: seen.append(2)])
+            os._exit(0 if sorted(seen) == [1, 2] else 1)
+        except BaseException:
+            os._exit(2)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        finished, status = os.waitpid(pid, os.WNOHANG)
+        if finished:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    raise AssertionError("the forked child's jobs never ran")

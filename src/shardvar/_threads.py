@@ -7,6 +7,7 @@ calling thread takes jobs too, from the same list, so no thread waits while work
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +18,17 @@ __all__ = ["run_all"]
 
 _lock = threading.Lock()
 _pools: dict[int, ThreadPoolExecutor] = {}  # by helper count, made on first use
+
+
+def _forget_pools() -> None:
+    """In a forked child: the parent's helper threads do not exist there (a pool would queue jobs forever)."""
+    global _lock
+    _lock = threading.Lock()
+    _pools.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools)
 
 
 def run_all(jobs: Sequence[Callable[[], None]]) -> None:
