@@ -20,6 +20,8 @@ from shardvar.optim._optimizers import RowWiseAdagrad, RowWiseAdam
 from shardvar.variables import _native_sort
 from shardvar.variables._distinct import sort_stable
 
+ADAGRAD = _kernel.adagrad_rule(0.1, 1e-10, 0.0)
+
 
 def _required(found, source, stem, abi, flags):
     """The kernel, or a skip where it cannot be (no compiler, SHARDVAR_NATIVE=0); a compiler that is here
@@ -65,7 +67,7 @@ def test_rowwise_adagrad_equals_the_torch_rule(rowwise, rows, dim, pad, decay, d
     RowWiseAdagrad.update(w, s, grad, 1, group, True)
     expected_w, expected_acc = weight.clone(), acc.clone()
     expected_w[ids], expected_acc[ids] = w, s["sum"]
-    assert rowwise.adagrad(weight, acc, ids, grad, 0.1, 1e-10, decay)
+    assert rowwise.rows(_kernel.adagrad_rule(0.1, 1e-10, decay), weight, acc, ids, grad)
     torch.testing.assert_close(weight, expected_w, rtol=2e-6, atol=1e-7)
     torch.testing.assert_close(acc, expected_acc, rtol=2e-6, atol=1e-7)
     others = torch.ones(rows, dtype=torch.bool)
@@ -109,7 +111,7 @@ def test_a_row_outside_the_table_changes_nothing(rowwise):
     before = weight.clone(), acc.clone()
     for bad in (10, -1):
         with pytest.raises(ShardvarIndexError, match=rf"row {bad} is outside the table's 10 rows"):
-            rowwise.adagrad(weight, acc, torch.tensor([2, bad, 3]), torch.ones(3, 4), 0.1, 1e-10, 0.0)
+            rowwise.rows(ADAGRAD, weight, acc, torch.tensor([2, bad, 3]), torch.ones(3, 4))
     assert torch.equal(weight, before[0]) and torch.equal(acc, before[1])
 
 
@@ -132,7 +134,7 @@ def test_tensors_the_kernel_does_not_take_are_left_to_torch(rowwise, what):
     else:
         grad = torch.ones(2, 3)
     before = weight.clone(), acc.clone()
-    assert not rowwise.adagrad(weight, acc, ids, grad, 0.1, 1e-10, 0.0)
+    assert not rowwise.rows(ADAGRAD, weight, acc, ids, grad)
     assert torch.equal(weight, before[0]) and torch.equal(acc, before[1])
 
 
@@ -140,7 +142,7 @@ def test_the_update_counts_as_an_inplace_change_for_autograd(rowwise):
     weight, acc = _table(10, 4, 0, seed=3)
     x = torch.ones(10, 4, requires_grad=True)
     loss = (x * weight).sum()  # saves the weight for backward
-    rowwise.adagrad(weight, acc, torch.tensor([0]), torch.ones(1, 4), 0.1, 1e-10, 0.0)
+    rowwise.rows(ADAGRAD, weight, acc, torch.tensor([0]), torch.ones(1, 4))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
 
@@ -265,7 +267,7 @@ def test_sum_bags_update_refuses_bad_input_and_changes_nothing(rowwise, bad):
         offsets = torch.tensor([1, 2, 3]) if bad == "offsets not from 0" else torch.tensor([0, 3, 2])
         error, match = shardvar.ShardvarValueError, "offsets must start at 0 and not decrease"
     before = weight.clone(), acc.clone()
-    job = rowwise.bags_adagrad(weight, acc, ids, offsets, torch.ones(3, 4), 0.1, 1e-10, 0.0)
+    job = rowwise.bags(ADAGRAD, weight, acc, ids, offsets, torch.ones(3, 4))
     with pytest.raises(error, match=match):
         job()
     assert torch.equal(weight, before[0]) and torch.equal(acc, before[1])
@@ -364,3 +366,14 @@ def test_jobs_run_in_a_forked_child_after_the_parent_used_helper_threads(monkeyp
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     raise AssertionError("the forked child's jobs never ran")
+
+
+def test_every_row_without_an_index_equals_every_row_by_index(rowwise):
+    """A dense step passes no row index (rows None): the same bits as the rows listed one by one."""
+    weight, acc = _table(30, 5, 2, seed=7)
+    grad = torch.randn(30, 5, generator=torch.Generator().manual_seed(8))
+    listed = weight.clone(), acc.clone()
+    assert rowwise.rows(ADAGRAD, listed[0], listed[1], torch.arange(30), grad)
+    assert rowwise.rows(ADAGRAD, weight, acc, None, grad)
+    assert torch.equal(weight, listed[0]) and torch.equal(acc, listed[1])
+    assert not rowwise.rows(ADAGRAD, weight, acc, None, grad[:29])  # a gradient row per table row, or torch's

@@ -30,7 +30,7 @@ from typing import TypeVar
 import torch
 from torch._C._functorch import is_functorch_wrapped_tensor
 
-__all__ = ["build", "cache_folder", "compiler_command", "enabled", "load", "on_cpu_memory"]
+__all__ = ["build", "cache_folder", "check_version", "compiler_command", "enabled", "load", "on_cpu_memory"]
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -39,6 +39,12 @@ T = TypeVar("T")
 def enabled() -> bool:
     """False where ``SHARDVAR_NATIVE=0`` asks for the fallbacks."""
     return os.environ.get("SHARDVAR_NATIVE", "1").strip() != "0"
+
+
+def check_version(version: Callable[[], int], abi: int) -> None:
+    """Refuse a library whose ``version()`` is not the ``abi`` its module calls (a stale build: ``load`` falls back)."""
+    if version() != abi:
+        raise OSError(f"the native library is version {version()}, not {abi}")
 
 
 def on_cpu_memory(*tensors: torch.Tensor) -> bool:

@@ -169,9 +169,7 @@ class TableOptimizer(torch.optim.Optimizer):
         kernel, found = rowwise(), self.native_rule(state, group, step)
         if kernel is None or found is None:
             return False
-        if rows is None:  # dense: every row, in the same arithmetic as a sparse step's
-            rows = torch.arange(weight.shape[0], device=weight.device)
-        return kernel.rows(found[0], weight, found[1], rows, grad)
+        return kernel.rows(found[0], weight, found[1], rows, grad)  # dense: every row, a sparse step's arithmetic
 
     def update_bags(self, weight: torch.Tensor, state: dict[str, torch.Tensor], ids: torch.Tensor,
                     offsets: torch.Tensor, grad: torch.Tensor, group: dict,

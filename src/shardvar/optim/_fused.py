@@ -153,20 +153,9 @@ class _SlabSink:
     def bags(self, ids: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor) -> Callable[[], None] | None:
         """The update of the rows the sum bags ``(ids, offsets)`` read from their bags' gradient ``grad``, in one
         pass: a job to run on any thread; None: the rows must be summed and handed over (``__call__``)."""
-        table = self.table
-        if table.store.logical_slab != self.logical:  # the rows moved since the lookup read them
+        if self.table.store.logical_slab != self.logical:  # the rows moved since the lookup read them
             return None
-        weight, state = table.group_tensors(0)
-        job = self.handle.optimizer.update_bags(weight, state, ids, offsets, grad, self.group, int(table.step) + 1)
-        if job is None:
-            return None
-        self.handle._begin(table)
-
-        def update() -> None:
-            with torch.no_grad():
-                job()
-
-        return update
+        return _bags_job(self.handle, self.table, self.group, ids, offsets, grad)
 
 
 class _TierSink:
@@ -186,19 +175,21 @@ class _TierSink:
 
     def bags(self, slots: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor) -> Callable[[], None] | None:
         """The update of the cache slots the sum bags ``(slots, offsets)`` read, as :meth:`_SlabSink.bags`."""
-        table = self.table
-        weight, state = table.group_tensors(0)
-        job = self.handle.optimizer.update_bags(weight, state, slots, offsets, grad, self.group, int(table.step) + 1)
-        if job is None:
-            return None
-        self.handle._begin(table)
-        table.tier.mark_dirty(slots)  # (the batch's slots stay put until its backward ended: its token)
+        job = _bags_job(self.handle, self.table, self.group, slots, offsets, grad)
+        if job is not None:
+            self.table.tier.mark_dirty(slots)  # (the batch's slots stay put until its backward ended: its token)
+        return job
 
-        def update() -> None:
-            with torch.no_grad():
-                job()
 
-        return update
+def _bags_job(handle: FusedHandle, table: Table | TierTable, group: dict[str, Any], ids: torch.Tensor,
+              offsets: torch.Tensor, grad: torch.Tensor) -> Callable[[], None] | None:  # fmt: skip
+    """The optimizer's one-pass update of ``table``'s rows from its sum bags' gradient, the table noted as
+    updated in this backward; None where the optimizer has none (no torch op runs in it: no grad mode)."""
+    weight, state = table.group_tensors(0)
+    job = handle.optimizer.update_bags(weight, state, ids, offsets, grad, group, int(table.step) + 1)
+    if job is not None:
+        handle._begin(table)
+    return job
 
 
 def _as_they_lie(store: Any, rows: torch.Tensor, logical: bool) -> torch.Tensor:

@@ -31,7 +31,7 @@ from .._pages import empty
 __all__ = ["Rule", "RowWise", "adagrad_rule", "adam_rule", "rowwise"]
 
 SOURCE = Path(__file__).with_name("_rowwise.c")
-_ABI = 3  # sv_optim_abi_version() of the source this module calls
+_ABI = 4  # sv_optim_abi_version() of the source this module calls
 FLAGS = ("-O3",)  # -O3: the row loops vectorised
 # The sums of a batch's distinct rows are made this many bytes of them at a time (one pass over the
 # ids each), so their memory stays bounded whatever the batch: one pass for typical batches (32768 rows of
@@ -73,8 +73,7 @@ class RowWise:
     """The row-wise update kernels of a loaded library."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        if library.sv_optim_abi_version() != _ABI:
-            raise OSError(f"the native library is version {library.sv_optim_abi_version()}, not {_ABI}")
+        _native.check_version(library.sv_optim_abi_version, _ABI)
         fn = library.sv_rowwise_update
         fn.argtypes = (c.c_void_p, c.c_int64, c.c_int64, c.c_void_p, c.c_int64, c.c_void_p, c.c_int64,
                        c.c_void_p, c.c_int64, c.c_int64, c.POINTER(Rule))  # fmt: skip
@@ -88,17 +87,20 @@ class RowWise:
         self._bags = fn
         self._scratch = threading.local()  # each thread's hash table and sums, kept warm from call to call
 
-    def rows(self, rule: Rule, weight: torch.Tensor, acc: torch.Tensor, rows: torch.Tensor,
+    def rows(self, rule: Rule, weight: torch.Tensor, acc: torch.Tensor, rows: torch.Tensor | None,
              grad: torch.Tensor) -> bool:  # fmt: skip
-        """``rule``'s update of the distinct ``rows`` of ``weight`` (their row-wise state ``acc``) in place;
-        False (nothing changed) where the tensors are not laid out as the kernel takes them."""
-        if not (_table(rule, weight, acc) and _gradient(grad, rows.numel(), weight)):
+        """``rule``'s update of the distinct ``rows`` (None: every row) of ``weight`` (their row-wise state ``acc``)
+        in place; False (nothing changed) where the tensors are not laid out as the kernel takes them."""
+        count = weight.shape[0] if rows is None else rows.numel()
+        if not (_table(rule, weight, acc) and _gradient(grad, count, weight)):
             return False
-        if rows.dtype != torch.int64 or rows.dim() != 1 or not rows.is_contiguous() or not _native.on_cpu_memory(rows):
+        if rows is not None and not (rows.dtype == torch.int64 and rows.dim() == 1 and rows.is_contiguous()):
+            return False
+        if rows is not None and not _native.on_cpu_memory(rows):
             return False
         bad = self._rows(weight.data_ptr(), weight.stride(0), weight.shape[0], acc.data_ptr(), acc.stride(0),
-                         rows.data_ptr(), rows.numel(), grad.data_ptr(), grad.stride(0), weight.shape[1],
-                         rule)  # fmt: skip
+                         None if rows is None else rows.data_ptr(), count, grad.data_ptr(), grad.stride(0),
+                         weight.shape[1], rule)  # fmt: skip
         if bad:
             raise ShardvarIndexError(f"row {int(rows[bad - 1])} is outside the table's {weight.shape[0]} rows")
         _changed(rule, weight, acc)
@@ -114,16 +116,6 @@ class RowWise:
         if (offsets.numel() == 0 and ids.numel()) or ids.numel() >= 1 << 31:  # no bag for the ids (torch's op
             return None  # says what is wrong), or more ids than the kernel's 32-bit slots count
         return functools.partial(self._run_bags, rule, weight, acc, ids, offsets, grad)
-
-    def adagrad(self, weight: torch.Tensor, acc: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor,
-                lr: float, eps: float, decay: float) -> bool:  # fmt: skip
-        """:meth:`rows` of row-wise Adagrad."""
-        return self.rows(adagrad_rule(lr, eps, decay), weight, acc, rows, grad)
-
-    def bags_adagrad(self, weight: torch.Tensor, acc: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
-                     grad: torch.Tensor, lr: float, eps: float, decay: float) -> Callable[[], None] | None:  # fmt: skip
-        """:meth:`bags` of row-wise Adagrad."""
-        return self.bags(adagrad_rule(lr, eps, decay), weight, acc, ids, offsets, grad)
 
     def _run_bags(self, rule: Rule, weight: torch.Tensor, acc: torch.Tensor, ids: torch.Tensor,
                   offsets: torch.Tensor, grad: torch.Tensor) -> None:  # fmt: skip

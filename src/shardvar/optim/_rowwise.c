@@ -1,7 +1,7 @@
 /* Row-wise updates of distinct table rows in one pass (shardvar/optim/_kernel.py loads this).
  *
  * sv_rowwise_update updates, for each i, row rows[i] of a float32 table and its row-wise state
- * (acc), by one of two rules (g = grad[i] + weight_decay * w, ms = |g|^2 / dim):
+ * (acc; rows NULL: every row, in order), by one of two rules (g = grad[i] + weight_decay * w, ms = |g|^2 / dim):
  *   Adagrad:  acc += ms;  w -= lr * g / (sqrt(acc) + eps)
  *   Adam:     m = lerp(m, g, 1 - beta1);  acc = beta2 * acc + (1 - beta2) * ms;
  *             w -= lr / (1 - beta1^t) * m / (sqrt(acc) / sqrt(1 - beta2^t) + eps)   (m: one per element)
@@ -23,7 +23,7 @@
 #include <math.h>
 #include <stdint.h>
 
-int sv_optim_abi_version(void) { return 3; }
+int sv_optim_abi_version(void) { return 4; }
 
 #define RULE_ADAGRAD 0
 #define RULE_ADAM 1
@@ -112,17 +112,19 @@ static void adam_row(const job_t *j, float *w, float *acc, float *m, const float
         w[d] = w[d] + r->step_size * (m[d] / denominator);
 }
 
+static int64_t row_at(const job_t *j, int64_t i) { return j->rows ? j->rows[i] : i; }
+
 static void update_rows(const job_t *j) {
     const rule_t *r = j->rule;
     for (int64_t i = j->lo; i < j->hi; ++i) {
         if (i + AHEAD < j->hi) {
-            int64_t next = j->rows[i + AHEAD];
+            int64_t next = row_at(j, i + AHEAD);
             fetch(j->weight + next * j->weight_stride, j->dim);
             __builtin_prefetch(j->acc + next * j->acc_stride, 1);
             if (r->rule == RULE_ADAM)
                 fetch(r->moment + next * r->moment_stride, j->dim);
         }
-        int64_t row = j->rows[i];
+        int64_t row = row_at(j, i);
         float *w = j->weight + row * j->weight_stride, *acc = j->acc + row * j->acc_stride;
         const float *g = j->grad + i * j->grad_stride;
         if (r->rule == RULE_ADAM)
@@ -135,7 +137,7 @@ static void update_rows(const job_t *j) {
 int64_t sv_rowwise_update(float *weight, int64_t weight_stride, int64_t num_rows, float *acc, int64_t acc_stride,
                           const int64_t *rows, int64_t count, const float *grad, int64_t grad_stride, int64_t dim,
                           const rule_t *rule) {
-    for (int64_t i = 0; i < count; ++i)
+    for (int64_t i = 0; rows && i < count; ++i)
         if (rows[i] < 0 || rows[i] >= num_rows)
             return i + 1;
     job_t job = {weight, weight_stride, acc, acc_stride, rows, grad, grad_stride, dim, 0, count, rule};

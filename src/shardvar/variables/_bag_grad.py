@@ -72,11 +72,11 @@ def row_gradient(parts: Sequence[Part], rows: Lists, offsets: Lists, scale: List
     tables' nor one table's summed rows ever exist at once. None when the sinks took every row.
     """
     found = []
+    grads = [g.contiguous() for g in grads]
     taken = _taken_whole(parts, rows, offsets, scale, grads, mode)
     for part, ids, offs, weights, grad, whole in zip(parts, rows, offsets, scale, grads, taken, strict=True):
         if whole or (ids.numel() == 0 and part.sink is not None):  # nothing (left) to hand over
             continue
-        grad = grad.contiguous()
         unique, starts, bag, weight = _part_rows(ids, offs, weights, mode, grad, part.stop - part.start)
         if part.sink is None:
             summed = segment_sum(grad, bag, starts, weights=weight)
@@ -100,7 +100,7 @@ def _taken_whole(
         whole = getattr(part.sink, "bags", None)
         if whole is None or mode != "sum" or weights is not None or ids.numel() == 0:
             continue
-        job = whole(ids, offs, grad.contiguous())
+        job = whole(ids, offs, grad)
         if job is not None:
             jobs.append(job)
             taken[i] = True

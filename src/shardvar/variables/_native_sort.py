@@ -36,8 +36,7 @@ class Sorter:
     """``sv_sort_stable`` of a loaded library."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        if library.sv_sort_abi_version() != _ABI:
-            raise OSError(f"the native library is version {library.sv_sort_abi_version()}, not {_ABI}")
+        _native.check_version(library.sv_sort_abi_version, _ABI)
         fn = library.sv_sort_stable
         c = ctypes
         fn.argtypes = (c.c_void_p, c.c_int, c.c_int64, c.c_int64, c.c_void_p, c.c_int, c.c_void_p, c.c_void_p)
