@@ -160,17 +160,22 @@ def _train_cached(cache: RowCache, batches, prefetch: bool):
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("capacity", [12, 20, 64])
 @pytest.mark.parametrize("prefetch", [False, True])
-def test_cached_training_equals_training_in_memory(tmp_path, policy, capacity, prefetch):
+@pytest.mark.parametrize("relocate", [True, False])
+def test_cached_training_equals_training_in_memory(tmp_path, policy, capacity, prefetch, relocate):
+    """Whether changed rows go back to their own places or into the places misses were read from."""
     layout = RecordLayout(64, 3, "float32", 1)
     batches = _batches(64, 60, 12, seed=capacity)
     expected_values, expected_state = _train_in_memory(layout, batches)
     with RowFile.create(tmp_path / "t.rows", layout, _init(layout)) as f:
-        cache = RowCache(f, capacity, policy)
+        cache = RowCache(f, capacity, policy, relocate=relocate)
         _train_cached(cache, batches, prefetch)
         values, state = cache.peek(torch.arange(64))  # before the flush: cache and file together
         assert torch.equal(values, expected_values) and torch.equal(state, expected_state)
         cache.flush()
-        values, state = layout.split(f.read(torch.arange(64)))
+        places = cache.places_of(torch.arange(64))
+        assert sorted(places.tolist()) == list(range(64))  # one record per row: a permutation of the file
+        assert cache.moved == (relocate and capacity < 64) == bool((places != torch.arange(64)).any())
+        values, state = layout.split(f.read(places))
         assert torch.equal(values, expected_values) and torch.equal(state, expected_state)
         looked = sum(torch.unique(b).numel() for b in batches)
         assert cache.stats.hits + cache.stats.misses == looked

@@ -57,13 +57,37 @@ def test_both_indexes_answer_as_a_dictionary(operations):
             ids = [i for i in ids if i in held]
             free += [held.pop(i) for i in ids]
             for index in indexes:
-                index.remove(torch.tensor(ids, dtype=torch.int64))
+                index.remove(torch.tensor(ids, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64))
                 if index.needs_rebuild():
                     index.rebuild(torch.tensor(list(held), dtype=torch.int64), torch.tensor(list(held.values())))
         probe = torch.arange(rows)
         expected = torch.tensor([held.get(i, -1) for i in range(rows)])
         for index in indexes:
-            assert torch.equal(index.find(probe), expected)
+            assert torch.equal(index.find(probe).clamp(min=-1), expected)
+            out = probe[expected < 0]
+            assert torch.equal(index.places(out), out)  # a row given back at its own place is there
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_the_direct_index_keeps_the_place_of_every_row_it_does_not_hold(data):
+    """Rows given up at any place are found there (a cache writes a row back where a miss was read); a reset
+    puts every row not held back at its own place and leaves the held ones in their slots."""
+    rows = data.draw(st.integers(1, 200))
+    index, places = DirectSlots(rows, 16), list(range(rows))
+    held = data.draw(st.lists(st.integers(0, rows - 1), unique=True, max_size=min(rows, 16)))
+    index.insert(torch.tensor(held, dtype=torch.int64), torch.arange(len(held)))
+    leaving = held[: data.draw(st.integers(0, len(held)))]
+    moved = data.draw(st.permutations(range(rows)))[: len(leaving)]
+    for i, p in zip(leaving, moved, strict=True):
+        places[i] = p
+    index.remove(torch.tensor(leaving, dtype=torch.int64), torch.tensor(moved, dtype=torch.int64))
+    out = [i for i in range(rows) if i not in held[len(leaving) :]]
+    assert index.places(torch.tensor(out, dtype=torch.int64)).tolist() == [places[i] for i in out]
+    index.reset_places()
+    assert index.places(torch.tensor(out, dtype=torch.int64)).tolist() == out
+    still = held[len(leaving) :]
+    assert index.find(torch.tensor(still, dtype=torch.int64)).tolist() == list(range(len(leaving), len(held)))
 
 
 @pytest.mark.parametrize(

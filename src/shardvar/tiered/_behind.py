@@ -65,18 +65,35 @@ class WriteBehind:
                 "it held are lost and the file is not valid: restore the table from its last checkpoint"
             ) from self._error
 
-    def start(self, ids: torch.Tensor, fill: Callable[[torch.Tensor], None]) -> bool:
-        """Write the records of ascending ``ids`` (``fill(out)`` puts them in ``out``) on the thread; False
+    def start(self, places: torch.Tensor, fill: Callable[[torch.Tensor], None]) -> bool:
+        """Write records at ascending ``places`` (``fill(out)`` puts them in ``out``) on the thread; False
         (nothing done) when they do not fit the area: the caller writes them itself."""
-        if ids.numel() > self.area.shape[0] or self.file.inline:
+        records = self.hold(places.numel(), fill)
+        if records is None:
             return False
+        self.submit(places, records)
+        return True
+
+    def hold(self, n: int, fill: Callable[[torch.Tensor], None]) -> torch.Tensor | None:
+        """``n`` records put in the area by ``fill(out)`` (the write in flight is waited for first), for a
+        ``submit`` once their places may be written; None (nothing done) when they do not fit the area."""
+        if n > self.area.shape[0] or self.file.inline:
+            return None
         self.wait()
-        records = self.area[: ids.numel()]
+        records = self.area[:n]
         fill(records)
+        return records
+
+    def submit(self, places: torch.Tensor, records: torch.Tensor) -> None:
+        """Write ``records`` (held by ``hold``) at ascending ``places``, on the thread."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardvar-write-behind")
-        self._pending = self._pool.submit(self.file.write_from, ids, records)
-        return True
+        self._pending = self._pool.submit(self._write, places, records)
+
+    def _write(self, places: torch.Tensor, records: torch.Tensor) -> None:
+        self.file.write_from(places, records)
+        if self.file.disk_bound:  # the file's pages are on the disk, not in the page cache: see RowFile.send
+            self.file.send()
 
     def close(self) -> None:
         """Wait for the write in flight (raising if it failed) and let the thread go."""

@@ -18,6 +18,7 @@ on first use) does this without the interpreter's lock; without it the same is d
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import json
 import os
@@ -86,6 +87,8 @@ class RecordLayout:
 
 
 SPREAD_WRITES = 256  # records a write thread takes at least, when writes are spread (``disk_bound``)
+_SYNC_FILE_RANGE = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)  # Linux's (RowFile.send)
+_SYNC_FILE_RANGE_WRITE = 2  # start writing the range's dirty pages; wait for nothing
 _NOWAIT = hasattr(os, "RWF_NOWAIT")  # Linux 4.14+: a read that fails rather than wait for the disk
 
 
@@ -192,6 +195,31 @@ class RowFile:
         os.fsync(self.fd)
         os.close(self.fd)  # releases the flock
         self.fd = -1
+
+    def send(self) -> None:
+        """Start writing the file's changed pages to the disk, without waiting (Linux's ``sync_file_range``).
+
+        Called after write-backs when reads show the file is on the disk, not in the page cache (a process
+        under a memory cap: cgroup v1 counts the page cache, and its dirty limits are the machine's). Left
+        to the kernel, written pages stay dirty until the cap is reached; each page a read then brings in
+        must wait for one of them to be written, and the pages read ahead for the next batch, the clean
+        ones, are dropped first, so the write-backs into them read them again. Measured (2^24 rows, 512 MiB
+        cache, 1.25 GiB cap, Zipf ids, with the Prefetcher): 520 ms a step, 75 MiB read from the disk;
+        sent at once, 295 ms and 31 MiB. Without ``sync_file_range`` (not Linux) nothing is sent early.
+        """
+        if _SYNC_FILE_RANGE is None or self.fd < 0:
+            return
+        if _SYNC_FILE_RANGE(self.fd, ctypes.c_int64(0), ctypes.c_int64(0), _SYNC_FILE_RANGE_WRITE) != 0:
+            error = ctypes.get_errno()
+            raise BackingFileError(f"cannot write to backing file {str(self.path)!r}: {os.strerror(error)}")
+
+    def discard(self) -> None:
+        """Let go of a file that is not kept (replaced at its path, or a load's shadow): closed as it is, never
+        marked clean (idempotent)."""
+        if self.fd >= 0:
+            self._pool.shutdown(wait=True)
+            os.close(self.fd)
+            self.fd = -1
 
     def __enter__(self) -> RowFile:
         return self

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from .._errors import ShardvarValueError
 from ._file import HEADER, BackingFileError, RowFile, _lock, _reserve
@@ -34,6 +36,7 @@ __all__ = ["Shadow", "LoadTransaction", "loading", "active_load", "SUFFIX"]
 
 SUFFIX = ".loading"
 COPY_BYTES = 64 << 20  # bytes per copy call (and the buffer of the pread/pwrite fallback)
+COPY_ROWS = 1 << 14  # records per piece of a copy into row order
 
 _ACTIVE: ContextVar[LoadTransaction | None] = ContextVar("shardvar_tiered_load", default=None)
 
@@ -66,11 +69,23 @@ class Shadow:
             self.path.unlink(missing_ok=True)
             raise
 
-    def fill(self) -> None:
-        """The source's bytes (header and every record) copied in, without a buffer in RAM."""
-        size = HEADER + self.source.layout.rows * self.source.layout.record_bytes
+    def fill(self, places_of: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """The source's bytes (header and every record) copied in, without a buffer in RAM; ``places_of(ids)``:
+        where the source holds each row when its records are out of row order (``RowCache.places_of``): the
+        records are then copied into row order, ``COPY_ROWS`` at a time."""
+        layout = self.source.layout
         try:
-            _copy(self.source.fd, self.file.fd, size)
+            if places_of is None:
+                _copy(self.source.fd, self.file.fd, HEADER + layout.rows * layout.record_bytes)
+                return
+            _copy(self.source.fd, self.file.fd, HEADER)
+            counted = self.source.bytes_read  # a copy, as copy_file_range makes, not reads of the table's rows
+            try:
+                for first in range(0, layout.rows, COPY_ROWS):
+                    ids = torch.arange(first, min(first + COPY_ROWS, layout.rows))
+                    self.file.write_from(ids, self.source.read(places_of(ids)))
+            finally:
+                self.source.bytes_read = counted
         except OSError as e:
             raise BackingFileError(
                 f"cannot copy backing file {str(self.source.path)!r} to load into it: {e.strerror or e}"
@@ -88,10 +103,7 @@ class Shadow:
     def discard(self) -> None:
         """Remove the shadow (the load's views of it stay readable until they are dropped)."""
         self.map = self.values = self.state = None  # type: ignore[assignment]
-        if self.file.fd >= 0:
-            self.file._pool.shutdown(wait=True)
-            os.close(self.file.fd)
-            self.file.fd = -1
+        self.file.discard()
         self.path.unlink(missing_ok=True)
 
 
@@ -139,7 +151,8 @@ class LoadTransaction:
         """Every check passed: each shadow gets the rows as they are now (changed rows written back first)."""
         for tier, shadow in self.shadows.values():
             tier.flush()
-            shadow.fill()
+            cache = tier.cache
+            shadow.fill(cache.places_of if cache.moved else None)
         self.prepared = True
 
     def commit(self) -> None:
@@ -188,4 +201,3 @@ def loading() -> Iterator[LoadTransaction]:
     finally:
         _ACTIVE.reset(token)
         transaction.discard()  # what was committed left it; anything else is dropped
-

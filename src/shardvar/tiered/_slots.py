@@ -4,10 +4,14 @@ A cache resolves every batch's distinct ids to slots, and every miss takes a slo
 policy gives up. Both run once per step over the batch or the slots, so both are vectorised and
 linear: no probing loop, no sort of the slots.
 
-* :class:`DirectSlots` maps a row to its slot through one int32 per row of the file (-1: not held):
-  a lookup is a gather, an insert or removal a scatter. :class:`HashedSlots` keeps the dynamic
+* :class:`DirectSlots` maps a row to its slot through one int32 per row of the file: a lookup is a
+  gather, an insert or removal a scatter. A row it does not hold has its *place* there instead
+  (``-1 - place``: the record of the file that holds it), so a cache over it may write a row back
+  anywhere (``RowCache``: into the place a miss was just read from, whose page is then in the
+  page cache) at no memory per row beyond the slot's own int32. :class:`HashedSlots` keeps the dynamic
   tables' hash index instead (two int64 per bucket, two to four buckets per slot), which is the
-  smaller one when the cache holds few of the file's rows (under ~1/16). :func:`slot_index`
+  smaller one when the cache holds few of the file's rows (under ~1/16); its rows never move (a
+  row's place is its id). :func:`slot_index`
   picks the direct map unless it takes over twice the memory: that memory is outside
   ``cache_bytes`` (it holds no row), and the direct map is several times faster.
 * :func:`smallest` finds the ``k`` slots of least priority (ties: lower slot) by a radix select
@@ -28,32 +32,47 @@ _SLICE = 1 << 18  # slots scanned at once where a whole-cache array would be lar
 
 
 class DirectSlots:
-    """The slot of every row of a ``rows``-row file, -1 where the cache does not hold it."""
+    """The slot of every row of a ``rows``-row file, or ``-1 - place`` where the cache does not hold it."""
+
+    moves = True  # a row may be written to another place than its own (see ``places``)
 
     def __init__(self, rows: int, capacity: int) -> None:
-        dtype = torch.int32 if capacity <= torch.iinfo(torch.int32).max else torch.int64
-        self.table = torch.full((rows,), -1, dtype=dtype)
+        self.table = torch.full((rows,), -1, dtype=self._dtype(rows, capacity))
+        self.reset_places()  # (no row held yet: every row at its own place)
+
+    @staticmethod
+    def _dtype(rows: int, capacity: int) -> torch.dtype:
+        return torch.int32 if max(rows, capacity) <= torch.iinfo(torch.int32).max else torch.int64
 
     @staticmethod
     def bytes_for(rows: int, capacity: int) -> int:
-        return rows * (4 if capacity <= torch.iinfo(torch.int32).max else 8)
+        return rows * DirectSlots._dtype(rows, capacity).itemsize
 
     @property
     def nbytes(self) -> int:
         return self.table.nbytes
 
     def find(self, ids: torch.Tensor) -> torch.Tensor:
+        """The slot of each id; negative where not held (``places`` says where the file has it)."""
         return self.table.index_select(0, ids).to(torch.int64)
+
+    def places(self, ids: torch.Tensor) -> torch.Tensor:
+        """The file's record of each of ``ids``, none of them held."""
+        return self.table.index_select(0, ids).to(torch.int64).neg_().sub_(1)
 
     def insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         self.table.index_put_((ids,), slots.to(self.table.dtype))
 
-    def remove(self, ids: torch.Tensor) -> None:
-        self.table.index_fill_(0, ids, -1)
+    def remove(self, ids: torch.Tensor, places: torch.Tensor) -> None:
+        """``ids`` are no longer held; the file has each at ``places``."""
+        self.table.index_put_((ids,), places.neg().sub_(1).to(self.table.dtype))
 
-    def rebuild(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        self.table.fill_(-1)
-        self.insert(ids, slots)
+    def reset_places(self) -> None:
+        """Every row not held back at its own place (the file was rewritten in row order), a slice at a time."""
+        for start in range(0, self.table.numel(), _SLICE):
+            part = self.table[start : start + _SLICE]
+            own = torch.arange(start, start + part.numel(), dtype=part.dtype).neg_().sub_(1)
+            part.copy_(torch.where(part >= 0, part, own))
 
     def needs_rebuild(self) -> bool:
         return False
@@ -61,6 +80,8 @@ class DirectSlots:
 
 class HashedSlots:
     """The slots of held rows in the dynamic tables' :class:`HashIndex` (open addressing, one shard)."""
+
+    moves = False  # no place per row: every row stays at its own
 
     def __init__(self, capacity: int) -> None:
         self.index = HashIndex(HashIndex.allocate(1, capacity), 1)
@@ -82,8 +103,14 @@ class HashedSlots:
     def insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         self.index.insert(ids, self._home(ids), slots.to(torch.int64))
 
-    def remove(self, ids: torch.Tensor) -> None:
-        self.index.remove(self.index.find(ids, self._home(ids))[1])
+    def places(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids
+
+    def remove(self, ids: torch.Tensor, places: torch.Tensor) -> None:
+        self.index.remove(self.index.find(ids, self._home(ids))[1])  # (``places`` are the ids: rows never move)
+
+    def reset_places(self) -> None:
+        pass  # every row is at its own place
 
     def rebuild(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         self.index.rebuild(ids, self._home(ids), slots)

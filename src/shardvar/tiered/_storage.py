@@ -216,7 +216,7 @@ class TieredRows:
         wider.unlink(missing_ok=True)
 
         def init(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            values, state = old.split(self.file.read(ids))
+            values, state = old.split(self.file.read(self.cache.places_of(ids)))
             return values, torch.cat([state, torch.full((ids.numel(), width), float(fill))], 1)
 
         new = RowFile.create(
@@ -282,9 +282,41 @@ class TieredRows:
         if load is not None:
             shadow = load.shadow_of(self)
             return shadow.values, shadow.state
+        self._in_row_order()
         if self._map is None or self._map[0] is not self.file:
             self._map = (self.file, *mapped(self.file))
         return self._map[2], self._map[3]
+
+    def _in_row_order(self) -> None:
+        """Every record back at its row's own place (record i: row i), for views of the file: once the cache moved
+        rows (``RowCache``: a changed row is written back where a miss was read), the file is rewritten in
+        row order, chunk by chunk, into a new file renamed over it. The cache keeps its rows."""
+        self.cache.flush()
+        if not self.cache.moved:
+            return
+        old = self.file
+        ordered = old.path.with_name(old.path.name + ".ordering")
+        ordered.unlink(missing_ok=True)  # left by a process that died while ordering
+
+        def init(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return old.layout.split(old.read(self.cache.places_of(ids)))
+
+        try:
+            new = RowFile.create(ordered, old.layout, init, chunk_rows=CHUNK_ROWS, queue_depth=self.spec.queue_depth,
+                                 progress=_counter(self.spec.progress, old.layout.rows))  # fmt: skip
+        except BackingFileError as e:
+            raise BackingFileError(
+                f"the rows of the tiered table of {str(old.path)!r} are out of row order (a changed row is written "
+                "back where a miss was read): a checkpoint rewrites them in order into a new file beside it first, "
+                f"which needs room for a second copy: {e}"
+            ) from None
+        os.replace(ordered, old.path)
+        new.path = old.path
+        self._closer.detach()
+        self.cache.rebase(new)
+        self.file = new
+        old.discard()
+        self._closer = weakref.finalize(self, _close, self.cache, new)
 
     def reload(self) -> None:
         """Forget every cached row without writing it back: the file was just written (a checkpoint loaded)."""

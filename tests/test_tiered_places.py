@@ -1,0 +1,141 @@
+"""Changed rows written back into the places misses were read from, and the file put back in row order.
+
+Where the cache keeps a place per row, an evicted changed row is written where one of the batch's
+misses was just read (that page is in the page cache: no read before the write), and the miss takes
+the row's old place. The file's records are then out of row order; a checkpoint (or anything else
+that maps the file) first has them rewritten in row order, and nothing else sees the difference:
+lookups, training, saves and loads give what an in-memory table gives.
+"""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+
+import pytest
+import torch
+
+import shardvar
+from helpers import TIERED_ROWS, tiered_bag, train_bags
+from shardvar import optim
+from shardvar.tiered import BackingFileError
+from test_tiered_load_atomic import _lookups, _mount_tmpfs, _same, _snapshot
+
+ROWS = TIERED_ROWS
+_train = functools.partial(train_bags, steps=8, seed=2)
+
+
+def _pair(tmp_path, **kwargs):
+    torch.manual_seed(0)
+    ref = shardvar.ShardedEmbeddingBag(ROWS, 4, mode="sum", sparse=True)
+    tiered = tiered_bag(tmp_path, **kwargs)
+    opts = [optim.RowWiseAdagrad(m, lr=0.1) for m in (ref, tiered)]
+    for o in opts:
+        optim.fuse(o)
+    return ref, tiered, opts
+
+
+def _file_rows(tiered) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backing file's records read in row order, as they lie (not through the cache's places)."""
+    tier = tiered.tier
+    return tier.layout.split(tier.file.read(torch.arange(ROWS)))
+
+
+def test_training_moves_rows_and_a_save_puts_them_back_in_order(tmp_path):
+    ref, tiered, opts = _pair(tmp_path)
+    for m in (ref, tiered):
+        _train(m)
+    cache = tiered.tier.cache
+    assert cache.moved, "no changed row was written into a miss's place"
+    places = cache.places_of(torch.arange(ROWS))
+    assert sorted(places.tolist()) == list(range(ROWS)) and bool((places != torch.arange(ROWS)).any())
+    held = cache.key.clone()
+    shardvar.save({"model": tiered, "opt": opts[1]}, tmp_path / "ckpt")
+    assert not tiered.tier.cache.moved and torch.equal(tiered.tier.cache.key, held)  # the cache kept its rows
+    assert torch.equal(_file_rows(tiered)[0], ref.weight.to_tensor())  # record i is row i again
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "t.rows"]
+    target = shardvar.ShardedEmbeddingBag(ROWS, 4, 3, "mod", mode="sum", sparse=True)
+    shardvar.load({"model": target}, tmp_path / "ckpt")
+    assert torch.equal(target.weight.to_tensor(), ref.weight.to_tensor())
+    for m in (ref, tiered):  # training goes on over the rewritten file, exactly
+        _train(m, seed=5)
+    assert tiered.tier.cache.moved
+    values, state = tiered.tier.peek(torch.arange(ROWS))
+    assert torch.equal(values, ref.weight.to_tensor())
+    assert torch.equal(state[:, 0], opts[0].sharded_variables()["weight/sum"].join())
+
+
+def test_a_load_into_a_table_whose_rows_moved_keeps_what_the_checkpoint_does_not_hold(tmp_path):
+    torch.manual_seed(3)
+    saved = shardvar.ShardedEmbeddingBag(ROWS, 4, mode="sum", sparse=True)
+    shardvar.save({"model": saved}, tmp_path / "ckpt")
+    _, tiered, _ = _pair(tmp_path)
+    _train(tiered)
+    assert tiered.tier.cache.moved
+    state = tiered.tier.peek(torch.arange(ROWS))[1]
+    shardvar.load({"model": tiered}, tmp_path / "ckpt")  # the rows only: the state stays, each with its row
+    values, after = tiered.tier.peek(torch.arange(ROWS))
+    assert torch.equal(values, saved.weight.to_tensor()) and torch.equal(after, state)
+    assert not tiered.tier.cache.moved and torch.equal(_file_rows(tiered)[1], state)
+
+
+def test_a_table_whose_cache_keeps_no_place_per_row_never_moves_a_row(tmp_path, monkeypatch):
+    from shardvar.tiered import _cache
+    from shardvar.tiered._slots import HashedSlots
+
+    monkeypatch.setattr(_cache, "slot_index", lambda rows, capacity: HashedSlots(capacity))
+    ref, tiered, _ = _pair(tmp_path)
+    for m in (ref, tiered):
+        _train(m)
+    tiered.tier.flush()
+    assert not tiered.tier.cache.moved and torch.equal(_file_rows(tiered)[0], ref.weight.to_tensor())
+
+
+def test_a_disk_too_full_to_put_the_rows_in_order_refuses_the_save_and_changes_nothing(tmp_path):
+    """A real ENOSPC: the file fits its small filesystem once, not twice; room made, the same save works."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    _mount_tmpfs(disk, "16k")  # room for the optimizer's widening (a second copy beside the file) only
+    tiered = None
+    try:
+        ref, tiered, opts = _pair(disk)
+        subprocess.run(["mount", "-o", "remount,size=12k", str(disk)], check=True)  # 3 pages: the file takes 2
+        for m in (ref, tiered):
+            _train(m)
+        tiered.tier.flush()  # (a save writes changed rows back first: done here, so the bytes can be compared)
+        assert tiered.tier.cache.moved
+        looked, before = _lookups(tiered), _snapshot(tiered)
+        with pytest.raises(BackingFileError, match=r"out of row order.*needs room for a second copy.*No space left"):
+            shardvar.save({"model": tiered, "opt": opts[1]}, tmp_path / "ckpt")
+        _same(_snapshot(tiered), before)
+        assert torch.equal(_lookups(tiered), looked)
+        assert sorted(p.name for p in disk.iterdir()) == ["t.rows"]
+        subprocess.run(["mount", "-o", "remount,size=64k", str(disk)], check=True)
+        shardvar.save({"model": tiered, "opt": opts[1]}, tmp_path / "ckpt")
+        target = shardvar.ShardedEmbeddingBag(ROWS, 4, mode="sum", sparse=True)
+        shardvar.load({"model": target}, tmp_path / "ckpt")
+        assert torch.equal(target.weight.to_tensor(), ref.weight.to_tensor())
+    finally:
+        if tiered is not None:
+            tiered.close()
+        subprocess.run(["umount", "--lazy", str(disk)], check=False)
+
+
+def test_write_backs_to_a_file_on_the_disk_are_sent_at_once_and_training_stays_exact(tmp_path, monkeypatch):
+    """When reads show the file is on the disk (``disk_bound``), each write-behind starts the kernel's write-out
+    of the file's changed pages (``RowFile.send``); the rows are those of training in memory."""
+    from shardvar.tiered import RecordLayout, RowCache, RowFile
+    from test_tiered_engine import _batches, _init, _train_cached, _train_in_memory
+
+    layout = RecordLayout(64, 3, "float32", 1)
+    batches = _batches(64, 40, 12, seed=1)
+    expected = _train_in_memory(layout, batches)
+    with RowFile.create(tmp_path / "t.rows", layout, _init(layout)) as f:
+        sent, send = [], f.send
+        monkeypatch.setattr(f, "send", lambda: (sent.append(1), send()))
+        f.disk_bound = True  # (small reads never reset it)
+        cache = RowCache(f, 14)
+        _train_cached(cache, batches, prefetch=True)
+        assert sent and cache.moved
+        values, state = cache.peek(torch.arange(64))
+        assert torch.equal(values, expected[0]) and torch.equal(state, expected[1])
