@@ -139,3 +139,68 @@ def test_write_backs_to_a_file_on_the_disk_are_sent_at_once_and_training_stays_e
         assert sent and cache.moved
         values, state = cache.peek(torch.arange(64))
         assert torch.equal(values, expected[0]) and torch.equal(state, expected[1])
+
+
+def test_saves_inside_a_prefetching_loop_never_read_a_replaced_file(tmp_path, monkeypatch):
+    """A checkpoint every few steps of a ``Prefetcher`` loop: the save rewrites the file in row order while the
+    next batch's rows may be being read ahead (reads slowed, so the race is real). The read-ahead finishes
+    on the old file first or reads the new one; training equals training in memory."""
+    import threading
+    import time
+
+    from shardvar.tiered import Prefetcher, RowFile
+
+    real = RowFile.read
+
+    def slow(self, ids):
+        if threading.current_thread().name == "shardvar-prefetch":
+            time.sleep(0.03)  # longer than a step: the save comes while a read-ahead is in the file
+        return real(self, ids)
+
+    monkeypatch.setattr(RowFile, "read", slow)
+    ref, tiered, opts = _pair(tmp_path)
+    g = torch.Generator().manual_seed(11)
+    batches = [(torch.rand(8, generator=g) ** 2 * ROWS).long() for _ in range(24)]
+    offsets = torch.tensor([0, 3, 5])
+    reordered = 0
+    for step, ids in enumerate(Prefetcher(batches, lambda b: [(tiered.cache, b)])):
+        for m in (ref, tiered):
+            m(ids, offsets).square().sum().backward()
+        if step % 3 == 2:
+            reordered += tiered.tier.cache.moved
+            shardvar.save({"model": tiered, "opt": opts[1]}, tmp_path / f"ckpt{step}")
+            assert not tiered.tier.cache.moved
+    assert reordered >= 4  # most saves rewrote the file under a running read-ahead
+    values, state = tiered.tier.peek(torch.arange(ROWS))
+    assert torch.equal(values, ref.weight.to_tensor())
+    assert torch.equal(state[:, 0], opts[0].sharded_variables()["weight/sum"].join())
+    target = shardvar.ShardedEmbeddingBag(ROWS, 4, mode="sum", sparse=True)
+    shardvar.load({"model": target}, tmp_path / "ckpt23")
+    assert torch.equal(target.weight.to_tensor(), ref.weight.to_tensor())
+
+
+def test_a_table_closed_by_the_garbage_collector_joins_no_thread(tmp_path, monkeypatch):
+    """The finalizer of a tiered table may run inside any allocation, also inside a thread's start while
+    threading holds its own lock (a join there deadlocks): it lets its threads go without joining them."""
+    import gc
+    from concurrent.futures import ThreadPoolExecutor
+
+    waits = []
+    shutdown = ThreadPoolExecutor.shutdown
+
+    def recorded(self, wait=True, **kwargs):
+        waits.append(wait)
+        return shutdown(self, wait=wait, **kwargs)
+
+    ref, tiered, opts = _pair(tmp_path)
+    _train(tiered)  # its write-behind and I/O threads started
+    assert tiered.tier.cache.behind._pool is not None
+    tiered.self_cycle = tiered  # garbage only the collector finds
+    monkeypatch.setattr(ThreadPoolExecutor, "shutdown", recorded)
+    del ref, tiered, opts
+    gc.collect()
+    assert waits and not any(waits), waits
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.rows"]
+    from shardvar.tiered import RowFile
+
+    RowFile.open(tmp_path / "t.rows").close()  # closed cleanly all the same

@@ -100,6 +100,6 @@ class WriteBehind:
         try:
             self.wait()
         finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
+            if self._pool is not None:  # a finalizer (``inline``) joins no thread: see RowFile.inline
+                self._pool.shutdown(wait=not self.file.inline)
                 self._pool = None

@@ -118,6 +118,8 @@ class RowCache:
         self.step = 0
         self.stats = CacheStats()
         self.lock = threading.Lock()  # guards the slots and the index (a prefetch thread reads them)
+        # held while a read-ahead reads the file (outside ``lock``): the file is not replaced under it
+        self.reading = threading.Lock()
         # Rows read ahead for a coming batch (``stage``), and the ids written back since: a staged
         # record of one of those is stale. Staged rows sit outside the slots, so nothing evicts them.
         # Two at most: the batch about to run and the one after it (read while the first computes),
@@ -337,7 +339,8 @@ class RowCache:
             writing = self.behind.pending  # issued before this set: read after it (later ones mark ``written``)
         if staged.ids.numel():
             self.behind.wait(writing)
-            staged.records = self.file.read(places)
+            with self.reading:  # (a rebase in between dropped this set: what it reads is never taken)
+                staged.records = self.file.read(places)
         return staged.ids.numel()
 
     def mark_dirty(self, slots: torch.Tensor) -> None:
@@ -377,7 +380,7 @@ class RowCache:
     def rebase(self, file: RowFile) -> None:
         """``file``, a copy of this one's records in row order (``flush`` ran first), replaces it: every row is
         back at its own place, the held ones in their slots."""
-        with self.lock:
+        with self.lock, self.reading:  # no read-ahead is reading the old file now, nor starts to
             self.behind.wait()
             self.file = self.behind.file = file
             self._staged = []  # read from the old file, by its places: not taken from here on

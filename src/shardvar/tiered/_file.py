@@ -103,7 +103,10 @@ class RowFile:
         self._pool = ThreadPoolExecutor(max_workers=queue_depth, thread_name_prefix="shardvar-io")
         self._native = _native.kernel()  # None: the Python path (no compiler, SHARDVAR_NATIVE=0)
         self.bytes_read = self.bytes_written = 0
-        self.inline = False  # transfer on the calling thread (a finalizer: the pool's locks may be held)
+        # A finalizer's (the garbage collector's) file: transfers on the calling thread (the pool's locks may be
+        # held) and no thread joined when closing: the collector may run inside a thread's start while threading
+        # holds its own lock, and a join there deadlocks (seen in CI: the new thread never started)
+        self.inline = False
         # Whether the last large read mostly waited for the disk: then writes, which read their pages
         # first, go out on many threads too (in the page cache one thread writes fastest: _native_io.c)
         self.disk_bound = False
@@ -189,7 +192,7 @@ class RowFile:
         """Make every write durable, mark the file clean, and release it (idempotent)."""
         if self.fd < 0:
             return
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=not self.inline)
         os.fsync(self.fd)
         _write_header(self.fd, self.layout, clean=True)
         os.fsync(self.fd)
@@ -217,7 +220,7 @@ class RowFile:
         """Let go of a file that is not kept (replaced at its path, or a load's shadow): closed as it is, never
         marked clean (idempotent)."""
         if self.fd >= 0:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=not self.inline)
             os.close(self.fd)
             self.fd = -1
 

@@ -239,8 +239,10 @@ class TieredRows:
     def _switch(self, new: RowFile, budget: tuple[int, int, int]) -> None:
         """Make ``new`` (already at the backing file's path) the table's file, with an empty cache."""
         self._closer.detach()
+        reading = self.cache.reading
         stats = self._drop_cache()  # (its writes done first: they go to the old file)
-        self.file.close()  # the old file, replaced at its path: its rows are not read again
+        with reading:  # a read-ahead of the old cache still reading the old file finishes first
+            self.file.close()  # the old file, replaced at its path: its rows are not read again
         self.file, self.cache = new, self.spec.cache_of(new, budget)
         self.cache.stats = stats
         self._closer = weakref.finalize(self, _close, self.cache, new)
