@@ -60,8 +60,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cache-bytes", type=int, default=1 << 30, help="--capacity: the cache")
     p.add_argument("--cap-bytes", type=int, default=2 << 30, help="--capacity: the cgroup's memory cap")
     p.add_argument("--no-cgroup", action="store_true", help="--capacity: run without the cap")
-    p.add_argument("--glibc-defaults", action="store_true",
-                   help="--capacity: the tiered child without _capacity.CAPPED_MALLOC (glibc's allocator as it comes)")
+    p.add_argument(
+        "--glibc-defaults",
+        action="store_true",
+        help="--capacity: the tiered child without _capacity.CAPPED_MALLOC (glibc's allocator as it comes)",
+    )
     p.add_argument("--warmup", type=int, default=10, help="--capacity: untimed steps (cache already full of hot rows)")
     p.add_argument("--probe-reads", type=int, default=8192, help="--capacity: disk reads at queue depth 1 (x4 at 32)")
     p.add_argument("--json", type=Path, default=None, help="also write the results to this file")

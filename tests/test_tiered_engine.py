@@ -192,7 +192,9 @@ def test_batch_larger_than_the_cache_is_refused_and_changes_nothing(tmp_path):
         held = lambda: (cache.values, cache.key, cache.used, cache.count, cache.dirty)  # noqa: E731
         before = [t.clone() for t in held()]
         step = cache.step
-        with pytest.raises(ShardvarValueError, match=r"holds 5 rows; this batch needs 6 distinct rows.*at least 6 rows"):
+        with pytest.raises(
+            ShardvarValueError, match=r"holds 5 rows; this batch needs 6 distinct rows.*at least 6 rows"
+        ):
             cache.resolve(torch.arange(10, 16))
         assert all(torch.equal(a, b) for a, b in zip(before, held(), strict=True))
         assert cache.step == step
@@ -245,7 +247,9 @@ def test_staged_records_never_exceed_the_reserve(tmp_path, reserve):
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("nowait", [True, False])
 @pytest.mark.parametrize("cached", [True, False])
-def test_reads_are_the_records_whether_the_page_cache_serves_them_or_the_disk(tmp_path, monkeypatch, nowait, cached, native):
+def test_reads_are_the_records_whether_the_page_cache_serves_them_or_the_disk(
+    tmp_path, monkeypatch, nowait, cached, native
+):
     """Reads the page cache holds are served at once (``RWF_NOWAIT``), the others by I/O threads: the
     same records either way, also without ``RWF_NOWAIT``, with the file dropped from the cache, and
     through the native kernel or the Python path."""
