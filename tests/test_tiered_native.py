@@ -122,6 +122,8 @@ def test_reads_the_page_cache_lacks_wait_on_threads_and_the_others_do_not(tmp_pa
     probe = memoryview(bytearray(16))
     try:
         os.preadv(f.fd, [probe], 0, os.RWF_NOWAIT)
+    except BlockingIOError:
+        pass  # supported: the page is not in the page cache (the file is dropped once created)
     except OSError:
         pytest.skip("no RWF_NOWAIT reads on this file system")
     ids = np.array([1, 2, 3, 9, 40, 41, 63], dtype=np.int64)  # 4 runs

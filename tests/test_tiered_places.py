@@ -10,7 +10,9 @@ lookups, training, saves and loads give what an in-memory table gives.
 from __future__ import annotations
 
 import functools
+import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -122,8 +124,9 @@ def test_a_disk_too_full_to_put_the_rows_in_order_refuses_the_save_and_changes_n
 
 
 def test_write_backs_to_a_file_on_the_disk_are_sent_at_once_and_training_stays_exact(tmp_path, monkeypatch):
-    """When reads show the file is on the disk (``disk_bound``), each write-behind starts the kernel's write-out
-    of the file's changed pages (``RowFile.send``); the rows are those of training in memory."""
+    """When reads show the file is on the disk (``disk_bound``), each write-behind first asks for the pages it
+    writes into (``RowFile.will_need``) and then starts their write-out (``RowFile.send``); the rows are those
+    of training in memory."""
     from shardvar.tiered import RecordLayout, RowCache, RowFile
     from test_tiered_engine import _batches, _init, _train_cached, _train_in_memory
 
@@ -131,12 +134,13 @@ def test_write_backs_to_a_file_on_the_disk_are_sent_at_once_and_training_stays_e
     batches = _batches(64, 40, 12, seed=1)
     expected = _train_in_memory(layout, batches)
     with RowFile.create(tmp_path / "t.rows", layout, _init(layout)) as f:
-        sent, send = [], f.send
+        sent, send, asked, will_need = [], f.send, [], f.will_need
         monkeypatch.setattr(f, "send", lambda: (sent.append(1), send()))
+        monkeypatch.setattr(f, "will_need", lambda ids: (asked.append(ids.clone()), will_need(ids)))
         f.disk_bound = True  # (small reads never reset it)
         cache = RowCache(f, 14)
         _train_cached(cache, batches, prefetch=True)
-        assert sent and cache.moved
+        assert sent and cache.moved and len(asked) == len(sent)
         values, state = cache.peek(torch.arange(64))
         assert torch.equal(values, expected[0]) and torch.equal(state, expected[1])
 
@@ -204,3 +208,55 @@ def test_a_table_closed_by_the_garbage_collector_joins_no_thread(tmp_path, monke
     from shardvar.tiered import RowFile
 
     RowFile.open(tmp_path / "t.rows").close()  # closed cleanly all the same
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and posix_fadvise are Linux's here")
+def test_asking_for_records_brings_their_pages_in_and_changes_no_byte(tmp_path):
+    """``RowFile.will_need`` reads the pages of the records asked for (a record across two pages: both), and only
+    those, into the page cache, without waiting; every record reads back as it was."""
+    from shardvar.tiered import RecordLayout, RowFile
+    from shardvar.tiered._file import HEADER
+
+    layout = RecordLayout(4096, 64, "float32", 1)  # 264-byte records: some cross a page boundary
+    with RowFile.create(tmp_path / "t.rows", layout, _random_rows) as f:
+        before = f.read(torch.arange(layout.rows))
+        f.settle()  # out of the page cache
+        asked = torch.tensor([0, 15, 16, 17, 1000, 4095])  # 15 crosses pages 1 and 2 of the records
+        f.will_need(asked)
+        f.will_need(asked[:0])  # nothing asked: nothing done
+        rb = layout.record_bytes
+        pages = {p for i in asked.tolist() for p in ((HEADER + i * rb) // 4096, (HEADER + (i + 1) * rb - 1) // 4096)}
+        for page in sorted(pages):
+            assert _cached(f.fd, page), f"page {page} was not read in"
+        far = (HEADER + 3000 * rb) // 4096
+        assert far not in pages and not _cached(f.fd, far, tries=1)
+        assert torch.equal(f.read(torch.arange(layout.rows)), before)
+
+
+def _random_rows(ids):
+    g = torch.Generator().manual_seed(int(ids[0]))
+    return torch.randn(ids.numel(), 64, generator=g), torch.rand(ids.numel(), 1, generator=g)
+
+
+def _cached(fd: int, page: int, tries: int = 200) -> bool:
+    """Whether the page cache holds ``page`` of ``fd`` (``mincore`` of a map of it, which reads nothing in: a
+    read that may not wait would start reading the page), polled while a read is in flight."""
+    import ctypes
+    import mmap
+    import time
+
+    import numpy as np
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    view = mmap.mmap(fd, 4096, offset=page * 4096, access=mmap.ACCESS_READ)
+    try:
+        address, vec = np.frombuffer(view, dtype=np.uint8).ctypes.data, ctypes.create_string_buffer(1)
+        for _ in range(tries):
+            assert libc.mincore(address, 4096, vec) == 0, os.strerror(ctypes.get_errno())
+            if vec.raw[0] & 1:
+                return True
+            time.sleep(0.005)
+        return False
+    finally:
+        view.close()

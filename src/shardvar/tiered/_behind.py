@@ -91,9 +91,12 @@ class WriteBehind:
         self._pending = self._pool.submit(self._write, places, records)
 
     def _write(self, places: torch.Tensor, records: torch.Tensor) -> None:
+        disk = self.file.disk_bound  # the file's pages are on the disk, not in the page cache:
+        if disk:
+            self.file.will_need(places)  # the pages written into, read at once if they left (RowFile.will_need)
         self.file.write_from(places, records)
-        if self.file.disk_bound:  # the file's pages are on the disk, not in the page cache: see RowFile.send
-            self.file.send()
+        if disk:
+            self.file.send()  # and written out at once (RowFile.send)
 
     def close(self) -> None:
         """Wait for the write in flight (raising if it failed) and let the thread go."""

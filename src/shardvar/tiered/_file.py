@@ -89,6 +89,7 @@ class RecordLayout:
 SPREAD_WRITES = 256  # records a write thread takes at least, when writes are spread (``disk_bound``)
 _SYNC_FILE_RANGE = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)  # Linux's (RowFile.send)
 _SYNC_FILE_RANGE_WRITE = 2  # start writing the range's dirty pages; wait for nothing
+_PAGE = 4096  # the page cache's unit: a write of part of one that is not cached reads it first
 _NOWAIT = hasattr(os, "RWF_NOWAIT")  # Linux 4.14+: a read that fails rather than wait for the disk
 
 
@@ -215,6 +216,24 @@ class RowFile:
         if _SYNC_FILE_RANGE(self.fd, ctypes.c_int64(0), ctypes.c_int64(0), _SYNC_FILE_RANGE_WRITE) != 0:
             error = ctypes.get_errno()
             raise BackingFileError(f"cannot write to backing file {str(self.path)!r}: {os.strerror(error)}")
+
+    def will_need(self, ids: torch.Tensor) -> None:
+        """Ask the kernel to read the pages of the records of ascending ``ids`` now, all at once, without waiting.
+
+        Called before write-backs when reads show the file is on the disk: a write of part of a page the page
+        cache does not hold reads that page first, inside the write, one write at a time under the file's lock
+        (with the ``Prefetcher``, a page read a step ahead is often dropped under a memory cap before a row is
+        written into it). Asked here (``POSIX_FADV_WILLNEED``, one call per run of pages), those reads are in
+        flight together, and each write finds its page or waits for that one read only.
+        """
+        if not hasattr(os, "posix_fadvise") or self.fd < 0 or ids.numel() == 0:
+            return
+        at = HEADER + ids.numpy().astype(np.int64) * self.layout.record_bytes
+        pages = np.unique(np.concatenate([at // _PAGE, (at + self.layout.record_bytes - 1) // _PAGE]))
+        starts = np.flatnonzero(np.diff(pages, prepend=pages[0] - 2) != 1)  # runs of consecutive pages
+        ends = np.append(starts[1:], pages.size)
+        for first, count in zip(pages[starts].tolist(), (ends - starts).tolist(), strict=True):
+            os.posix_fadvise(self.fd, first * _PAGE, count * _PAGE, os.POSIX_FADV_WILLNEED)
 
     def discard(self) -> None:
         """Let go of a file that is not kept (replaced at its path, or a load's shadow): closed as it is, never
