@@ -9,6 +9,7 @@ lookups, training, saves and loads give what an in-memory table gives.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import subprocess
@@ -260,3 +261,38 @@ def _cached(fd: int, page: int, tries: int = 200) -> bool:
         return False
     finally:
         view.close()
+
+
+def test_a_table_collected_inside_its_own_write_back_is_let_go_not_waited_for(tmp_path, monkeypatch):
+    """The collector may run a dropped table's finalizer on that table's own write-behind thread, inside its
+    write: the finalizer cannot wait for that write. It lets the file go unclean (as after a crash)."""
+    import threading
+    import time
+
+    from shardvar.tiered import RowFile
+
+    _, tiered, _ = _pair(tmp_path)
+    _train(tiered, steps=2)
+    tier = tiered.tier
+    real, took = tier.file.write_from, []
+
+    def collected_inside(places, records):
+        if threading.current_thread().name.startswith("shardvar-write-behind") and not took:
+            start = time.monotonic()
+            tier._closer()  # what the collector would run here
+            took.append(time.monotonic() - start)
+        return real(places, records)
+
+    monkeypatch.setattr(tier.file, "write_from", collected_inside)
+    done = threading.Event()
+
+    def train() -> None:
+        with contextlib.suppress(BackingFileError):  # the table was closed under the step: its file is gone
+            _train(tiered, steps=6, seed=4)
+        done.set()
+
+    threading.Thread(target=train, daemon=True).start()
+    assert done.wait(30), "a finalizer run inside the table's own write-back waited for that write"
+    assert took and took[0] < 5
+    with pytest.raises(BackingFileError, match="not closed cleanly"):
+        RowFile.open(tmp_path / "t.rows")

@@ -19,6 +19,7 @@ restarts from the last checkpoint, as after a crash.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -38,6 +39,7 @@ class WriteBehind:
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
         self._error: BaseException | None = None
+        self._writer: int | None = None  # the thread running a write now
 
     @property
     def nbytes(self) -> int:
@@ -91,12 +93,20 @@ class WriteBehind:
         self._pending = self._pool.submit(self._write, places, records)
 
     def _write(self, places: torch.Tensor, records: torch.Tensor) -> None:
-        disk = self.file.disk_bound  # the file's pages are on the disk, not in the page cache:
-        if disk:
-            self.file.will_need(places)  # the pages written into, read at once if they left (RowFile.will_need)
-        self.file.write_from(places, records)
-        if disk:
-            self.file.send()  # and written out at once (RowFile.send)
+        self._writer = threading.get_ident()
+        try:
+            disk = self.file.disk_bound  # the file's pages are on the disk, not in the page cache:
+            if disk:
+                self.file.will_need(places)  # the pages written into, read at once if they left (RowFile.will_need)
+            self.file.write_from(places, records)
+            if disk:
+                self.file.send()  # and written out at once (RowFile.send)
+        finally:
+            self._writer = None
+
+    def writing_here(self) -> bool:
+        """Whether this thread is inside a write of this area's (the garbage collector may run there)."""
+        return self._writer == threading.get_ident()
 
     def close(self) -> None:
         """Wait for the write in flight (raising if it failed) and let the thread go."""

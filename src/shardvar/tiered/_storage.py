@@ -377,7 +377,13 @@ class _Token:
 
 
 def _close(cache: RowCache, file: RowFile) -> None:
-    if file.fd >= 0:
-        file.inline = True  # maybe run by the garbage collector, inside another file's pool call
-        cache.close()
-        file.close()
+    if file.fd < 0:
+        return
+    file.inline = True  # maybe run by the garbage collector, inside another file's pool call
+    if cache.behind.writing_here():
+        # the collector runs inside this table's own write-back, which cannot be waited for from under itself:
+        # the file is let go as it is, never marked clean (as after a crash: it is refused when opened)
+        file.discard()
+        return
+    cache.close()
+    file.close()
