@@ -211,26 +211,29 @@ class TieredRows:
         layout = RecordLayout(old.rows, old.dim, old.dtype, old.state_width + width)
         budget = capacity(self.spec.cache_bytes, self.spec.read_ahead, layout)  # checked first
         self.cache.flush()
-        path = self.file.path
-        wider = path.with_name(path.name + ".widening")
-        wider.unlink(missing_ok=True)
+
+        def wider(values: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return values, torch.cat([state, torch.full((values.shape[0], width), float(fill))], 1)
+
+        self._switch(self._rewrite(".widening", layout, wider), budget)
+        self._columns[name] = (old.state_width, width)
+
+    def _rewrite(self, suffix: str, layout: RecordLayout, change: Callable[..., tuple]) -> RowFile:
+        """The rows in row order (the cache flushed first), ``change(values, state)`` chunk by chunk, in a new file of
+        ``layout`` beside the backing file (``<name><suffix>``; one a dead process left is removed first), its whole
+        size reserved first, then renamed over the backing file. The old file stays open for the caller."""
+        old = self.file
+        beside = old.path.with_name(old.path.name + suffix)
+        beside.unlink(missing_ok=True)
 
         def init(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            values, state = old.split(self.file.read(self.cache.places_of(ids)))
-            return values, torch.cat([state, torch.full((ids.numel(), width), float(fill))], 1)
+            return change(*old.layout.split(old.read(self.cache.places_of(ids))))
 
-        new = RowFile.create(
-            wider,
-            layout,
-            init,
-            chunk_rows=CHUNK_ROWS,
-            queue_depth=self.spec.queue_depth,
-            progress=_counter(self.spec.progress, old.rows),
-        )
-        os.replace(wider, path)
-        new.path = path
-        self._switch(new, budget)
-        self._columns[name] = (old.state_width, width)
+        new = RowFile.create(beside, layout, init, chunk_rows=CHUNK_ROWS, queue_depth=self.spec.queue_depth,
+                             progress=_counter(self.spec.progress, old.layout.rows))  # fmt: skip
+        os.replace(beside, old.path)
+        new.path = old.path
+        return new
 
     def _budget(self) -> tuple[int, int, int]:
         cache = self.cache
@@ -297,23 +300,14 @@ class TieredRows:
         if not self.cache.moved:
             return
         old = self.file
-        ordered = old.path.with_name(old.path.name + ".ordering")
-        ordered.unlink(missing_ok=True)  # left by a process that died while ordering
-
-        def init(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return old.layout.split(old.read(self.cache.places_of(ids)))
-
         try:
-            new = RowFile.create(ordered, old.layout, init, chunk_rows=CHUNK_ROWS, queue_depth=self.spec.queue_depth,
-                                 progress=_counter(self.spec.progress, old.layout.rows))  # fmt: skip
+            new = self._rewrite(".ordering", old.layout, lambda values, state: (values, state))
         except BackingFileError as e:
             raise BackingFileError(
                 f"the rows of the tiered table of {str(old.path)!r} are out of row order (a changed row is written "
                 "back where a miss was read): a checkpoint rewrites them in order into a new file beside it first, "
                 f"which needs room for a second copy: {e}"
             ) from None
-        os.replace(ordered, old.path)
-        new.path = old.path
         self._closer.detach()
         self.cache.rebase(new)
         self.file = new
