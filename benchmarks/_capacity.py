@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(dir=args.folder) as where:
         folder = Path(where)
         names = ("rows", "dim", "batch", "bag", "steps", "repeats", "warmup", "cache_bytes", "cap_bytes", "probe_reads",
-                 "glibc_defaults")  # fmt: skip
+                 "glibc_defaults", "spare")  # fmt: skip
         config = {k: getattr(args, k) for k in names}
         (folder / "args.json").write_text(json.dumps(config))
         _batches(args, folder)

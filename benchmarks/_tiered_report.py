@@ -21,7 +21,7 @@ def _runs(memory: dict, tiered: dict, ids_per_step: int) -> list[dict]:
     for dist, modes in tiered["runs"].items():
         for mode, r in modes.items():
             steps = r["steps"]
-            per = {k: r[k] / steps for k in ("misses", "written_back", "bytes_read", "bytes_written",
+            per = {k: r[k] / steps for k in ("misses", "written_back", "relocated", "bytes_read", "bytes_written",
                                              "disk_bytes_read", "disk_bytes_written")}  # fmt: skip
             step = statistics.median(r["seconds"])
             floor = max(memory["step_s"][dist], per["misses"] / rate)
@@ -72,14 +72,16 @@ def report(config: dict, memory: dict, tiered: dict, counts: dict | None) -> dic
         (f"{r['ids']}, prefetch {'on' if r['prefetch'] else 'off'}", f"{r['step_s'] * 1e3:.1f}",
          f"{r['memory_step_s'] * 1e3:.1f}", f"{r['floor_s'] * 1e3:.1f}",
          f"{r['vs_floor']:.2f}x " + ("within" if r["vs_floor"] <= FLOOR_GOAL else "OVER"), f"{r['hit_rate']:.3f}",
-         f"{r['misses_per_step']:.0f} ({r['missed_ids']:.1%})", f"{r['written_back_per_step']:.0f}",
+         f"{r['misses_per_step']:.0f} ({r['missed_ids']:.1%})",
+         f"{r['written_back_per_step']:.0f} / {r['relocated_per_step']:.0f}",
          f"{r['bytes_read_per_step'] / MIB:.2f} / {r['bytes_written_per_step'] / MIB:.2f}",
          f"{r['disk_bytes_read_per_step'] / MIB:.2f} / {r['disk_bytes_written_per_step'] / MIB:.2f}")
         for r in runs
     ]  # fmt: skip
     title = f"floor: max(in-memory step, misses / reads per s at queue depth {tiered['queue_depth']})"
     print_table(["ids, read-ahead", "step ms", "in memory ms", "floor ms", f"vs floor (<= {FLOOR_GOAL}x)",
-                 "hit rate", "misses / step (of ids)", "written back / step", "tier MiB read / written per step",
+                 "hit rate", "misses / step (of ids)", "written back / moved by the log, a step",
+                 "tier MiB read / written per step",
                  "disk MiB read / written per step"],
                 rows, title=title)  # fmt: skip
     depth = {d["queue_depth"]: d for d in tiered["disk"]}

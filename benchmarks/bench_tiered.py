@@ -55,6 +55,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="per repeat and candidate: default 20; --capacity: 10")
     p.add_argument("--repeats", type=int, default=None, help="default 5; --capacity: 3")
     p.add_argument("--folder", type=Path, default=None)
+    p.add_argument("--spare", type=float, default=0.5, help="Tiered(spare=): the file's free records, per row")
     p.add_argument("--quick", action="store_true", help="small sizes (a test runs this)")
     p.add_argument("--capacity", action="store_true", help="the capped-memory run (benchmarks/_capacity.py)")
     p.add_argument("--cache-bytes", type=int, default=1 << 30, help="--capacity: the cache")
@@ -89,7 +90,7 @@ def _tables(args: argparse.Namespace, folder: Path) -> dict[str, torch.nn.Module
     # staging area that also come out of cache_bytes
     slots = max(1, int(args.rows * args.cache))
     cache_bytes = cache_bytes_for(slots, args.dim, rows=args.rows, state_width=1)
-    storage = shardvar.Tiered(folder / "table.rows", cache_bytes=cache_bytes)
+    storage = shardvar.Tiered(folder / "table.rows", cache_bytes=cache_bytes, spare=args.spare)
     torch.manual_seed(0)
     tiered = shardvar.ShardedEmbeddingBag(args.rows, args.dim, mode="sum", sparse=True, storage=storage)
     for m in (memory, tiered):
@@ -147,10 +148,11 @@ def main(argv: list[str] | None = None) -> None:
         per = {name: _per_step(c, steps) for name, c in counts.items()}
         print_table(
             ["per tiered step", *per],
-            [("warm-up steps (until every slot was given up once)", *(f"{settled}" for _ in per)),
+            [("warm-up steps (to the steady state)", *(f"{settled}" for _ in per)),
              *((label, *(f"{per[n][k]:.3f}" if k == "hit_rate" else f"{per[n][k]:.0f}" for n in per))
                for k, label in (("hit_rate", "hit rate (distinct ids)"), ("misses", "misses"),
-                                ("written_back", "rows written back"), ("bytes_read", "bytes read"),
+                                ("written_back", "rows written back"), ("relocated", "records moved by the log"),
+                                ("bytes_read", "bytes read"),
                                 ("bytes_written", "bytes written")))],
         )  # fmt: skip
         tiered.close()
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(1)
 
 
-COUNTED = ("hits", "misses", "written_back", "bytes_read", "bytes_written")
+COUNTED = ("hits", "misses", "written_back", "relocated", "bytes_read", "bytes_written")
 
 
 def _per_step(counts: dict[str, int], steps: int) -> dict[str, float]:
@@ -187,11 +189,18 @@ def _warm_page_cache(file: object) -> None:
 
 
 def _settle(tiered: torch.nn.Module, args: argparse.Namespace) -> int:
-    """Untimed steps until every slot of the cache was given up once: the steady state, where each miss
-    evicts a row that was trained (so is written back). Timed before, a cache still filling would
-    neither evict nor write, and look faster than it runs. Returns the steps taken."""
-    capacity, steps = tiered.cache_stats()["capacity_rows"], 0
-    while tiered.cache_stats()["evictions"] < capacity and steps < MAX_SETTLE:
+    """Untimed steps until the steady state: every slot of the cache given up once (each miss then evicts a
+    row that was trained, so is written back), and where the file has spare records, its log cleaned for as
+    many steps again as it took to fill (records then move to reclaim free ones every step). Timed before, a
+    cache still filling would neither evict nor write, and a log not yet full would move nothing: both look
+    faster than they run. Returns the steps taken."""
+    capacity, steps, full = tiered.cache_stats()["capacity_rows"], 0, None
+    while steps < MAX_SETTLE:
+        stats = tiered.cache_stats()
+        if full is None and (stats["relocated"] or not stats["spare_rows"]):
+            full = steps
+        if stats["evictions"] >= capacity and full is not None and steps >= 2 * full:
+            break
         # batches of their own (the timed ones, seed 0, stay unseen), the same hot rows
         batches = zipf_ids(args.batch * args.bag * 8, args.rows, 1.05, seed=1 + steps)
         for ids in batches.view(-1, args.batch, args.bag):

@@ -16,7 +16,7 @@ import shardvar
 from shardvar import optim
 from shardvar.cli import main
 from shardvar.tiered import RecordLayout, RowFile, describe
-from shardvar.tiered._file import MAGIC, _write_header
+from shardvar.tiered._header import MAGIC, write_header
 
 
 def _table(path, rows=300, dim=8):
@@ -54,7 +54,7 @@ def test_inspect_says_what_is_wrong_with_a_backing_file(tmp_path, capsys, case) 
     RowFile.create(path, layout, lambda ids: (torch.zeros(ids.numel(), 4), torch.zeros(ids.numel(), 1))).close()
     fd = os.open(path, os.O_RDWR)
     if case == "unclean":
-        _write_header(fd, layout, clean=False)  # as a killed process leaves it
+        write_header(fd, layout, clean=False)  # as a killed process leaves it
     elif case == "truncated":
         os.truncate(fd, os.fstat(fd).st_size - 5)
     os.close(fd)

@@ -58,9 +58,8 @@ class _Audit:
         elif threading.current_thread().name.startswith("shardvar-write-behind"):  # an eviction's rows
             if not _inside(buffer, cache.behind.area):
                 self.errors.append(f"a {buffer.nbytes}-byte write behind, outside the write-behind area")
-        elif not _inside(buffer, getattr(cache, "staging", None)):
-            self.errors.append(f"a {buffer.nbytes}-byte buffer outside the staging area")
-            staged = held  # the read-ahead set being read is held too
+        elif not (_inside(buffer, cache.staging) or _inside(buffer, cache.behind.area)):  # (the log's cleaning
+            self.errors.append(f"a {buffer.nbytes}-byte buffer outside the staging area")  # writes from the area)
         slots = cache.values.nbytes + cache.state.nbytes
         self.peak = max(self.peak, slots + cache.staging.nbytes + cache.behind.area.nbytes + staged)
 

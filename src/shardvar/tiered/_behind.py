@@ -38,6 +38,7 @@ class WriteBehind:
         self.area = torch.zeros((rows, file.layout.record_bytes), dtype=torch.uint8)
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
+        self._places = torch.empty(0, dtype=torch.int64)  # the records the write in flight writes
         self._error: BaseException | None = None
         self._writer: int | None = None  # the thread running a write now
 
@@ -48,6 +49,10 @@ class WriteBehind:
     @property
     def pending(self) -> Future | None:
         return self._pending
+
+    def writes_any(self, places: torch.Tensor) -> bool:
+        """Whether the write in flight writes any record at ``places`` (a read of those waits for it)."""
+        return self._pending is not None and bool(torch.isin(places, self._places).any())
 
     def wait(self, pending: Future | None = None) -> None:
         """Until the write in flight is done, or ``pending`` (one seen earlier, from another thread: the
@@ -86,19 +91,23 @@ class WriteBehind:
         fill(records)
         return records
 
-    def submit(self, places: torch.Tensor, records: torch.Tensor) -> None:
-        """Write ``records`` (held by ``hold``) at ascending ``places``, on the thread."""
+    def submit(self, places: torch.Tensor, records: torch.Tensor, owners: torch.Tensor | None = None) -> None:
+        """Write ``records`` (held by ``hold``) at ascending ``places``, on the thread; ``owners``: the rows they
+        hold, recorded too (``RecordLog``: records written where other rows were)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardvar-write-behind")
-        self._pending = self._pool.submit(self._write, places, records)
+        self._pending = self._pool.submit(self._write, places, records, owners)
+        self._places = places
 
-    def _write(self, places: torch.Tensor, records: torch.Tensor) -> None:
+    def _write(self, places: torch.Tensor, records: torch.Tensor, owners: torch.Tensor | None) -> None:
         self._writer = threading.get_ident()
         try:
             disk = self.file.disk_bound  # the file's pages are on the disk, not in the page cache:
-            if disk:
+            if disk and owners is None:  # (the log's writes fill whole new pages: none to read first)
                 self.file.will_need(places)  # the pages written into, read at once if they left (RowFile.will_need)
             self.file.write_from(places, records)
+            if owners is not None:
+                self.file.write_owners(places, owners)
             if disk:
                 self.file.send()  # and written out at once (RowFile.send)
         finally:

@@ -11,30 +11,21 @@ evicted for the batch's misses; the victims' changed records are copied out befo
 are reused and written by the write-behind thread (``_behind``), or here when they do not fit its
 area; the misses are read from the file in concurrent reads.
 
-Where a row is written back: where the index keeps a place per row (``_slots.DirectSlots``), a
-changed row leaves into the place one of the batch's misses was just read from, and that miss
-takes the row's old place as its home (``home``: where its copy in the file is, stale until it is
-written there: it counts as changed). The write then lands on a page the read just brought into
-the page cache; written back to its own place, a row whose page left the page cache long ago
-(the common case when the file is larger than RAM) makes the kernel read that page first, one
-write at a time under the file's lock: measured on this machine's disk under a memory cap, 10k
-write-backs a step took the step from 0.13 s to 0.44 s. The file's records are then no longer in
-row order: ``places_of`` says where each row is, and ``TieredRows`` puts them back in order
-before a checkpoint maps the file. Every other record on its way
-between the file and the slots passes through one fixed staging area of ``staging`` records
-(allocated once, counted in ``nbytes``, as the write-behind area is): a batch's misses and
-write-backs are moved an area at a time, so no buffer of a batch's size is ever allocated besides
-the slots. Rows used at or after
-``protect_since`` are never evicted, so a batch computing while the next one is being resolved
-keeps its rows (see ``Prefetcher``). Everything is checked before anything moves: a batch whose
-distinct rows do not fit raises and leaves the cache as it was.
+Where a row is written back: where the index keeps a place per row (``_slots.DirectSlots``) and the
+file has spare records, into the next free record of the file's log (``_log.RecordLog``): a step's
+write-backs are one sequential write, not a random page write each. The records are then out of row
+order (``places_of`` says where each row is; ``TieredRows`` puts them back in order before a
+checkpoint maps the file). Records pass between the file and the slots through one staging area
+allocated once (counted in ``nbytes``, as the write-behind area is), so no buffer of a batch's size
+is ever allocated besides the slots. Rows used at or after ``protect_since`` are never evicted, so
+a batch computing while the next one is resolved keeps its rows (``Prefetcher``). Everything is
+checked before anything moves: a batch whose distinct rows do not fit raises and changes nothing.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -42,30 +33,15 @@ from .._errors import ShardvarValueError
 from .._validate import check_bool, check_choice, check_int
 from ._behind import WriteBehind
 from ._file import RowFile
+from ._log import RecordLog
 from ._slots import slot_index, victims
-from ._transit import Staged, Swap
+from ._transit import CacheStats, Staged
 
 __all__ = ["RowCache", "CacheStats", "POLICIES", "STAGING_ROWS"]
 
 POLICIES = ("lru", "lfu")
 FLUSH_SLOTS = 1 << 18  # slots a flush looks through at once
 STAGING_ROWS = 1 << 16  # the most records the staging area holds, and the write-behind area (fewer for a small cache)
-
-
-@dataclass
-class CacheStats:
-    """What the cache did since it was made (or ``reset``)."""
-
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    written_back: int = 0
-    prefetched: int = 0  # misses served from rows read ahead
-
-    @property
-    def hit_rate(self) -> float:
-        looked = self.hits + self.misses
-        return self.hits / looked if looked else 0.0
 
 
 def _select(records: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
@@ -84,6 +60,7 @@ class RowCache:
         staging: int | None = None,
         *,
         relocate: bool = True,
+        segment: int | None = None,
     ) -> None:
         layout = file.layout
         self.capacity = check_int(capacity, "cache capacity (rows)", minimum=1)
@@ -110,9 +87,15 @@ class RowCache:
         self.dirty = torch.zeros(capacity, dtype=torch.bool)
         self.home = torch.full((capacity,), -1, dtype=self.key.dtype)  # the place of each slot's copy in the file
         self.index = slot_index(layout.rows, capacity)
-        # ``relocate``: a changed row may be written back into a miss's place (where the index keeps places);
-        # the file's records are then in row order only through ``places_of``
+        # ``relocate``: a changed row is written back through the file's log (where the index keeps places and
+        # the file has spare records); the file's records are then in row order only through ``places_of``
         self.relocate = check_bool(relocate, "relocate")
+        self.log = RecordLog(layout, segment) if self.relocate and self.index.moves and layout.spare else None
+        if not file.ordered:  # where each row is, is known to the cache that moved it only
+            raise ShardvarValueError(
+                f"the rows of backing file {str(file.path)!r} are not in row order (written back through its log); "
+                "a backing file is not a checkpoint: restore the table from its last checkpoint (shardvar.load)"
+            )
         self.moved = False  # whether a row was written back to another place than its own
         self.free = torch.arange(capacity, dtype=torch.int32)  # the slots holding no row, ascending
         self.step = 0
@@ -148,7 +131,8 @@ class RowCache:
     @property
     def bookkeeping_bytes(self) -> int:
         """RAM the cache keeps besides rows and state (outside ``cache_bytes``): its index and per-slot records."""
-        return self.index.nbytes + sum(t.nbytes for t in (self.key, self.home, self.used, self.count, self.dirty))
+        log = self.log.nbytes if self.log is not None else 0
+        return self.index.nbytes + log + sum(t.nbytes for t in (self.key, self.home, self.used, self.count, self.dirty))
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """The slot of each id (-1: not in the cache); changes nothing."""
@@ -198,14 +182,16 @@ class RowCache:
         self.stats.hits += int(held.sum())
         if new_ids.numel() == 0:
             return slot
+        if chosen is not None:
+            self._evict(chosen)  # (the log's cleaning may move the misses' records: their places are read after)
         places = self.index.places(new_ids)
-        swap = self._evict(chosen, places) if chosen is not None else None
         new_slots = self.free[: new_ids.numel()].to(torch.int64)
         self._bring(new_slots, new_ids, places)
-        if swap is not None:  # the misses are read: their places take the changed rows given up
-            self._swap(swap, new_slots, new_ids)
         self.free = self.free[new_ids.numel() :].clone()  # not a view: the first fill's arange is let go
         self.index.insert(new_ids, new_slots)
+        # a read-ahead set whose rows are all in the slots now is spent: kept, it would go on collecting the ids
+        # that move (``move``) for as long as no read-ahead replaces it
+        self._staged = [t for t in self._staged if t.records is None or bool((self.index.find(t.ids) < 0).any())]
         slot[missed] = new_slots[inverse]
         self.stats.misses += new_ids.numel()
         return slot
@@ -241,42 +227,49 @@ class RowCache:
             self.count[slots] = 1
         self.dirty[slots] = False
 
-    def _evict(self, slots: torch.Tensor, places: torch.Tensor) -> Swap | None:
-        """Give up ``slots`` (ascending) for misses at ``places``, writing back the rows that changed since they
-        were read: as many as fit the write-behind area into the misses' places, once those are read (the
-        returned ``Swap``, for ``_swap``), the rest to their own homes now (see the module docstring)."""
-        changed = self.dirty[slots]
-        gone = slots[changed]
-        n = min(gone.numel(), places.numel(), self.behind.area.shape[0]) if self.index.moves and self.relocate else 0
-        targets, order = torch.sort(places[:n])
-        records = self.behind.hold(n, lambda out: self._gather(gone[:n][order], out)) if n else None
-        n = 0 if records is None else n
-        self._write_back(gone[n:], behind=n == 0)
+    def _evict(self, slots: torch.Tensor) -> None:
+        """Give up ``slots`` (ascending), writing back the rows that changed since they were read: through the
+        file's log as far as it has room (see the module docstring), the rest to their own places."""
+        gone, done = slots[self.dirty[slots]], 0
+        while self.log is not None and done < gone.numel():  # a write-behind area at a time
+            n = self.log.make_room(min(gone.numel() - done, self.behind.area.shape[0]), self)  # (may move homes)
+            if n == 0:
+                break
+            part = gone[done : done + n]
+            ids, new, old = self.key[part].to(torch.int64), self.log.claim(n), self.home[part].to(torch.int64)
+            self.log.write(self, new, ids, lambda out, p=part: self._gather(p, out))
+            self.move(ids, new)
+            self.log.moved(old, new)
+            self.stats.written_back += n
+            done += n
+        self._write_back(gone[done:], behind=done == 0)
         keys = self.key[slots].to(torch.int64)
-        leaving = self.home[slots].to(torch.int64)  # where each row's copy is now: its home...
-        leaving[changed.nonzero().squeeze(1)[:n]] = places[:n]  # ...or the place it is about to be written to
-        swap = Swap(records, targets, self.home[gone[:n]].clone(), keys[changed][:n]) if n else None
-        self.index.remove(keys, leaving)
+        self.index.remove(keys, self.home[slots].to(torch.int64))
         self.key[slots] = -1
         self.free = torch.cat([self.free, slots.to(torch.int32)]).sort().values
         self.stats.evictions += slots.numel()
         if self.index.needs_rebuild():
             held = (self.key >= 0).nonzero().squeeze(1)
             self.index.rebuild(self.key[held].to(torch.int64), held)
-        return swap
 
-    def _swap(self, swap: Swap, slots: torch.Tensor, ids: torch.Tensor) -> None:
-        """The first misses (``ids`` at ``slots``) gave their places to the changed rows of ``swap``: write those
-        there, and give the misses the rows' old homes (stale: written back at their own eviction)."""
-        n = swap.targets.numel()
-        self.home[slots[:n]] = swap.homes.to(self.home.dtype)
-        self.dirty[slots[:n]] = True
-        self.behind.submit(swap.targets, swap.records)
-        moved = torch.cat([swap.ids, ids[:n]])  # records that changed place, and places that changed record
-        for staged in self._staged:
-            staged.written.append(moved)
-        self.stats.written_back += n
+    def locate(self, ids: torch.Tensor) -> torch.Tensor:
+        """The record of the file that holds each of ``ids`` (of a held row: its home, current after ``flush``)."""
+        slot = self.index.find(ids)
+        held = slot >= 0
+        places = self.index.places(ids).clone()
+        places[held] = self.home[slot[held]].to(torch.int64)
+        return places
+
+    def move(self, ids: torch.Tensor, places: torch.Tensor) -> None:
+        """Rows ``ids`` are held at ``places`` of the file from now on (written there, or on their way)."""
+        slot = self.index.find(ids)
+        held = slot >= 0
+        self.home[slot[held]] = places[held].to(self.home.dtype)
+        self.index.remove(ids[~held], places[~held])
+        for staged in self._staged:  # a record read ahead from the old place is stale
+            staged.written.append(ids)
         self.moved = True
+        self.file.ordered = False
 
     def _through_staging(self, slots: torch.Tensor, fill: Callable[[int, int, torch.Tensor], None]) -> None:
         """Fill ``slots``: ``fill(a, b, out)`` puts records ``[a, b)`` in the staging area, then into ``slots[a:b]``."""
@@ -336,9 +329,11 @@ class RowCache:
             staged = Staged(distinct[: max(limit, 0)])
             places = self.index.places(staged.ids)
             self._staged = [*kept, staged]
-            writing = self.behind.pending  # issued before this set: read after it (later ones mark ``written``)
+            # a write issued before this set, of any of its records: read after it (later ones mark ``written``)
+            writing = self.behind.pending if self.behind.writes_any(places) else None
         if staged.ids.numel():
-            self.behind.wait(writing)
+            if writing is not None:
+                self.behind.wait(writing)
             with self.reading:  # (a rebase in between dropped this set: what it reads is never taken)
                 staged.records = self.file.read(places)
         return staged.ids.numel()
@@ -371,11 +366,7 @@ class RowCache:
     def places_of(self, ids: torch.Tensor) -> torch.Tensor:
         """The file's record of each of ``ids``, held or not (of a held row: its home, current after ``flush``)."""
         with self.lock:
-            slot = self.index.find(ids)
-            held = slot >= 0
-            places = self.index.places(ids).clone()
-            places[held] = self.home[slot[held]].to(torch.int64)
-            return places
+            return self.locate(ids)
 
     def rebase(self, file: RowFile) -> None:
         """``file``, a copy of this one's records in row order (``flush`` ran first), replaces it: every row is
@@ -387,6 +378,7 @@ class RowCache:
             self.index.reset_places()
             held = self.key >= 0
             self.home[held] = self.key[held]
+            self.log = RecordLog(file.layout, self.log.segment) if self.log is not None else None
             self.moved = False
 
     def close(self) -> None:

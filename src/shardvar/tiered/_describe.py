@@ -12,7 +12,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._file import HEADER, MAGIC, RecordLayout, _read_header, open_fd
+from ._file import open_fd
+from ._header import MAGIC, RecordLayout, read_header
 
 __all__ = ["BackingFileInfo", "describe", "is_backing_file"]
 
@@ -34,7 +35,7 @@ class BackingFileInfo:
 
     @property
     def expected(self) -> int:
-        return HEADER + self.layout.rows * self.layout.record_bytes
+        return self.layout.file_bytes
 
     @property
     def status(self) -> str:
@@ -63,7 +64,7 @@ def describe(path: str | os.PathLike) -> BackingFileInfo:
     path = Path(path)
     fd = open_fd(path, os.O_RDONLY)
     try:
-        layout, clean = _read_header(fd, path)
+        layout, clean, _ = read_header(fd, path)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a table holds LOCK_EX while it is open
             in_use = False

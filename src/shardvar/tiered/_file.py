@@ -19,72 +19,23 @@ on first use) does this without the interpreter's lock; without it the same is d
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
-import json
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .._errors import ShardvarError, ShardvarValueError
+from .._errors import ShardvarValueError
 from .._validate import check_int
 from . import _native
-from ._pyio import python_transfer, run_parts
+from ._header import HEADER, OWNER_BYTES, BackingFileError, RecordLayout, read_header, write_header
+from ._pyio import python_transfer, run_parts, runs
 
 __all__ = ["RowFile", "RecordLayout", "BackingFileError"]
-
-MAGIC = b"SHVTIER1"
-HEADER = 4096
-_ALIGN = 8  # a record's state starts 8-byte aligned, so it can be viewed as float32 in place
-
-
-class BackingFileError(ShardvarError, OSError):
-    """A backing file cannot be created, opened or written (busy, unclean, full disk, not writable)."""
-
-
-@dataclass(frozen=True)
-class RecordLayout:
-    """What one record holds: ``dim`` values of ``dtype``, then ``state_width`` float32 state slots."""
-
-    rows: int
-    dim: int
-    dtype: str
-    state_width: int = 0
-
-    @property
-    def row_bytes(self) -> int:
-        return self.dim * torch.empty((), dtype=self.torch_dtype).element_size()
-
-    @property
-    def state_offset(self) -> int:
-        return -(-self.row_bytes // _ALIGN) * _ALIGN
-
-    @property
-    def record_bytes(self) -> int:
-        return -(-(self.state_offset + 4 * self.state_width) // _ALIGN) * _ALIGN
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    def split(self, records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[n, record_bytes]`` uint8 as (values ``[n, dim]``, state ``[n, state_width]``), views."""
-        values = records[:, : self.row_bytes].view(self.torch_dtype)
-        state = records[:, self.state_offset : self.state_offset + 4 * self.state_width].view(torch.float32)
-        return values, state
-
-    def join(self, values: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        """Records from values and state (the padding bytes zero)."""
-        records = torch.zeros((values.shape[0], self.record_bytes), dtype=torch.uint8)
-        v, s = self.split(records)
-        v.copy_(values)
-        s.copy_(state)
-        return records
-
 
 SPREAD_WRITES = 256  # records a write thread takes at least, when writes are spread (``disk_bound``)
 _SYNC_FILE_RANGE = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)  # Linux's (RowFile.send)
@@ -108,6 +59,8 @@ class RowFile:
         # held) and no thread joined when closing: the collector may run inside a thread's start while threading
         # holds its own lock, and a join there deadlocks (seen in CI: the new thread never started)
         self.inline = False
+        # Whether every row is in its own record (``RecordLog``: none written back elsewhere); kept in the header
+        self.ordered = True
         # Whether the last large read mostly waited for the disk: then writes, which read their pages
         # first, go out on many threads too (in the page cache one thread writes fastest: _native_io.c)
         self.disk_bound = False
@@ -133,7 +86,7 @@ class RowFile:
         check_int(chunk_rows, "chunk_rows", minimum=1)
         if path.exists():
             raise BackingFileError(f"backing file {str(path)!r} already exists; open it, or remove it first")
-        size = HEADER + layout.rows * layout.record_bytes
+        size = layout.file_bytes  # the owners of spare records too: reserved, they read as zeros
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         except OSError as e:
@@ -141,7 +94,7 @@ class RowFile:
         try:
             _lock(fd, path)
             _reserve(fd, path, size)
-            _write_header(fd, layout, clean=False)
+            write_header(fd, layout, clean=False)
             file = cls(path, fd, layout, queue_depth)
             for first in range(0, layout.rows, chunk_rows):
                 ids = torch.arange(first, min(first + chunk_rows, layout.rows))
@@ -175,16 +128,18 @@ class RowFile:
         fd = open_fd(path, os.O_RDWR)
         try:
             _lock(fd, path)
-            layout, clean = _read_header(fd, path)
+            layout, clean, ordered = read_header(fd, path)
             if not clean:
                 raise BackingFileError(
                     f"backing file {str(path)!r} was not closed cleanly (its process died while training): its rows "
                     "may be half written. Restart from your last checkpoint (shardvar.load) into a new backing file"
                 )
-            if os.fstat(fd).st_size != HEADER + layout.rows * layout.record_bytes:
+            if os.fstat(fd).st_size != layout.file_bytes:
                 raise BackingFileError(f"backing file {str(path)!r} is truncated: its size does not match its header")
-            _write_header(fd, layout, clean=False)
-            return cls(path, fd, layout, queue_depth)
+            write_header(fd, layout, clean=False, ordered=ordered)
+            file = cls(path, fd, layout, queue_depth)
+            file.ordered = ordered
+            return file
         except BaseException:
             os.close(fd)
             raise
@@ -195,7 +150,7 @@ class RowFile:
             return
         self._pool.shutdown(wait=not self.inline)
         os.fsync(self.fd)
-        _write_header(self.fd, self.layout, clean=True)
+        write_header(self.fd, self.layout, clean=True, ordered=self.ordered)
         os.fsync(self.fd)
         os.close(self.fd)  # releases the flock
         self.fd = -1
@@ -254,8 +209,10 @@ class RowFile:
         if self.fd < 0:
             raise BackingFileError(f"backing file {str(self.path)!r} is closed")
         out = ids.detach().to("cpu", torch.int64).numpy()
-        if out.size:
-            self.check_range(int(out.min()), int(out.max()))
+        if out.size and (int(out.min()) < 0 or int(out.max()) >= self.layout.places):
+            raise ShardvarValueError(
+                f"records must be in [0, {self.layout.places}); got {int(out.min())}..{int(out.max())}"
+            )
         return out
 
     def check_range(self, low: int, high: int) -> None:
@@ -300,6 +257,46 @@ class RowFile:
         raw = self._check_ids(ids)
         self._transfer(raw, self._check_buffer(records, raw.size, "records"), write=True)
         self.bytes_written += records.numel()
+
+    def read_owners(self, places: torch.Tensor) -> torch.Tensor:
+        """The row each record of ascending ``places`` holds (-1: none), as written by ``write_owners``."""
+        raw = self._check_ids(places)
+        found = np.zeros(raw.size, dtype=np.int64)
+        parts = runs(raw)
+        # on the disk: every run asked for at once, then read one by one (as RowFile.will_need)
+        if len(parts) > 1 and self.disk_bound and hasattr(os, "posix_fadvise"):
+            for _, first, count in parts:
+                os.posix_fadvise(self.fd, self.layout.owners_offset + first * OWNER_BYTES, count * OWNER_BYTES,
+                                 os.POSIX_FADV_WILLNEED)  # fmt: skip
+        for at, first, count in parts:
+            found[at : at + count] = np.frombuffer(self._owner_io(first, count), dtype=np.int64)
+        own = np.where(raw < self.layout.rows, raw, -1)  # never written: the record of its own row, or a spare one
+        return torch.from_numpy(np.where(found > 0, found - 1, own))
+
+    def write_owners(self, places: torch.Tensor, ids: torch.Tensor) -> None:
+        """Record that the records at ascending ``places`` hold rows ``ids`` (one call per run of places)."""
+        raw = self._check_ids(places)
+        data = ids.to(torch.int64).add(1).numpy()
+        for at, first, count in runs(raw):
+            self._owner_io(first, count, data[at : at + count].tobytes())
+
+    def _owner_io(self, first: int, count: int, data: bytes | None = None) -> bytes:
+        if not self.layout.spare:
+            raise ShardvarValueError(f"backing file {str(self.path)!r} has no spare records, so no record owners")
+        at = self.layout.owners_offset + first * OWNER_BYTES
+        try:
+            if data is not None:
+                if os.pwrite(self.fd, data, at) != len(data):
+                    raise OSError(errno.EIO, "short write of record owners")
+                self.bytes_written += len(data)
+                return data
+            got = os.pread(self.fd, count * OWNER_BYTES, at)
+            self.bytes_read += len(got)
+        except OSError as e:
+            raise BackingFileError(f"cannot use backing file {str(self.path)!r}: {e.strerror or e}") from None
+        if len(got) != count * OWNER_BYTES:
+            raise BackingFileError(f"backing file {str(self.path)!r} is truncated: its record owners end early")
+        return got
 
     def _check_buffer(self, buffer: torch.Tensor, n: int, name: str) -> np.ndarray:
         """``buffer`` as the array a transfer reads or writes in place: contiguous uint8 ``[n, record_bytes]``."""
@@ -372,27 +369,3 @@ def _reserve(fd: int, path: Path, size: int) -> None:
         raise BackingFileError(
             f"cannot reserve {size} bytes for backing file {str(path)!r} ({e.strerror}); {free} bytes are free there"
         ) from None
-
-
-def _write_header(fd: int, layout: RecordLayout, *, clean: bool) -> None:
-    body = json.dumps({**asdict(layout), "record_bytes": layout.record_bytes, "clean": clean}).encode()
-    os.pwrite(fd, MAGIC + body.ljust(HEADER - len(MAGIC), b" "), 0)
-    if not clean:
-        os.fsync(fd)  # "in use" is on disk before any record changes
-
-
-def _read_header(fd: int, path: Path) -> tuple[RecordLayout, bool]:
-    raw = os.pread(fd, HEADER, 0)
-    if not raw.startswith(MAGIC):
-        raise BackingFileError(f"{str(path)!r} is not a shardvar backing file (no {MAGIC.decode()} header)")
-    try:
-        meta = json.loads(raw[len(MAGIC) :].decode())
-        layout = RecordLayout(int(meta["rows"]), int(meta["dim"]), str(meta["dtype"]), int(meta["state_width"]))
-        ok = isinstance(getattr(torch, layout.dtype), torch.dtype) and isinstance(meta["clean"], bool)
-        ok = ok and layout.rows >= 0 and layout.dim >= 1 and layout.state_width >= 0
-        ok = ok and layout.record_bytes == meta["record_bytes"]
-    except (ValueError, KeyError, TypeError, AttributeError, OverflowError):
-        ok = False
-    if not ok:
-        raise BackingFileError(f"backing file {str(path)!r} has a damaged header")
-    return layout, meta["clean"]

@@ -16,10 +16,10 @@ import numpy as np
 
 from . import _native
 
-__all__ = ["python_transfer", "run_parts"]
+__all__ = ["python_transfer", "run_parts", "runs"]
 
 
-def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
+def runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
     """(first position, first id, count) of each run of consecutive ids in ascending ``ids``."""
     if ids.size == 0:
         return []
@@ -31,7 +31,7 @@ def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
 
 def python_transfer(file: Any, ids: np.ndarray, buffer: np.ndarray, write: bool, nowait: bool, header: int) -> None:
     """``RowFile``'s transfer in Python: the native kernel's steps, a system call per run."""
-    runs, size = _runs(ids), file.layout.record_bytes
+    todo, size = runs(ids), file.layout.record_bytes
     call = os.pwritev if write else os.preadv
 
     def work(part: list[tuple[int, int, int]]) -> None:
@@ -45,11 +45,11 @@ def python_transfer(file: Any, ids: np.ndarray, buffer: np.ndarray, write: bool,
                 done += step
 
     if not write and nowait:
-        runs = _cached(file, runs, buffer, size, header)  # the rest must wait for the disk: many in flight
-        if not runs:
+        todo = _cached(file, todo, buffer, size, header)  # the rest must wait for the disk: many in flight
+        if not todo:
             return
-    per = -(-len(runs) // file.queue_depth)
-    parts = [runs[i : i + per] for i in range(0, len(runs), per)]
+    per = -(-len(todo) // file.queue_depth)
+    parts = [todo[i : i + per] for i in range(0, len(todo), per)]
     run_parts(file._pool, work, parts, file.inline)
 
 

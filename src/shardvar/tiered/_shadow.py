@@ -48,7 +48,7 @@ class Shadow:
         self.source = file
         self.path = file.path.with_name(file.path.name + SUFFIX)
         self.path.unlink(missing_ok=True)  # left by a process that died while loading
-        size = HEADER + file.layout.rows * file.layout.record_bytes
+        size = file.layout.file_bytes  # (spare records and their owners read as zeros: all free)
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         except OSError as e:

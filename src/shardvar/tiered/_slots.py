@@ -25,7 +25,7 @@ import torch
 
 from ..dynamic import HashIndex, mix64
 
-__all__ = ["DirectSlots", "HashedSlots", "slot_index", "smallest", "victims"]
+__all__ = ["DirectSlots", "HashedSlots", "keeps_places", "slot_index", "smallest", "victims"]
 
 _BITS = 16  # bins per pass of the radix select: 2**16 counts, a fraction of a millisecond
 _SLICE = 1 << 18  # slots scanned at once where a whole-cache array would be large
@@ -119,12 +119,16 @@ class HashedSlots:
         return self.index.needs_rebuild()
 
 
+def keeps_places(rows: int, capacity: int) -> bool:
+    """Whether ``slot_index`` gives the direct map (a place per row), not the hash index: the direct map unless
+    it takes more than twice the hash index's memory (it is several times faster: a gather, where the hash
+    index probes in rounds)."""
+    return DirectSlots.bytes_for(rows, capacity) <= 2 * HashedSlots.bytes_for(capacity)
+
+
 def slot_index(rows: int, capacity: int) -> DirectSlots | HashedSlots:
-    """The index of ``capacity`` slots over a ``rows``-row file: the direct map unless it takes more than twice
-    the hash index's memory (it is several times faster: a gather, where the hash index probes in rounds)."""
-    if DirectSlots.bytes_for(rows, capacity) <= 2 * HashedSlots.bytes_for(capacity):
-        return DirectSlots(rows, capacity)
-    return HashedSlots(capacity)
+    """The index of ``capacity`` slots over a ``rows``-row file (see ``keeps_places``)."""
+    return DirectSlots(rows, capacity) if keeps_places(rows, capacity) else HashedSlots(capacity)
 
 
 def smallest(priority: torch.Tensor, k: int, above: int) -> torch.Tensor:

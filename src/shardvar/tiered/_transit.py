@@ -1,9 +1,5 @@
-"""Records on their way between a cache's slots and its file (``RowCache``).
-
-:class:`Staged`: records read ahead for a coming batch, and the ids whose records moved since
-(those are stale). :class:`Swap`: changed rows given up for a batch's misses, held until the
-misses are read and their places can take them.
-"""
+"""What a cache counts (``CacheStats``), and records read ahead for a coming batch (``Staged``, from
+``RowCache.stage``) with the ids whose records moved since (stale)."""
 
 from __future__ import annotations
 
@@ -11,17 +7,24 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Staged", "Swap"]
+__all__ = ["CacheStats", "Staged"]
 
 
 @dataclass
-class Swap:
-    """Changed rows given up for a batch's first misses (``RowCache._evict``), their records held for the write."""
+class CacheStats:
+    """What the cache did since it was made (or ``reset``)."""
 
-    records: torch.Tensor  # in the order of ``targets``
-    targets: torch.Tensor  # the misses' places, ascending: where the records go
-    homes: torch.Tensor  # the rows' old places, by miss: the misses' homes from now on
-    ids: torch.Tensor  # the rows' ids, by miss
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    written_back: int = 0
+    prefetched: int = 0  # misses served from rows read ahead
+    relocated: int = 0  # records the log's cleaning moved (besides the rows written back)
+
+    @property
+    def hit_rate(self) -> float:
+        looked = self.hits + self.misses
+        return self.hits / looked if looked else 0.0
 
 
 class Staged:
