@@ -71,7 +71,7 @@ def test_both_indexes_answer_as_a_dictionary(operations):
 @settings(max_examples=40, deadline=None)
 @given(st.data())
 def test_the_direct_index_keeps_the_place_of_every_row_it_does_not_hold(data):
-    """Rows given up at any place are found there (a cache writes a row back where a miss was read); a reset
+    """Rows given up at any place are found there (a cache writes a row back through the file's log); a reset
     puts every row not held back at its own place and leaves the held ones in their slots."""
     rows = data.draw(st.integers(1, 200))
     index, places = DirectSlots(rows, 16), list(range(rows))

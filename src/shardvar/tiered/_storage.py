@@ -305,7 +305,7 @@ class TieredRows:
 
     def _in_row_order(self) -> None:
         """Every record back at its row's own place (record i: row i), for views of the file: once the cache moved
-        rows (``RowCache``: a changed row is written back where a miss was read), the file is rewritten in
+        rows (``RowCache``: a changed row is written back through the file's log), the file is rewritten in
         row order, chunk by chunk, into a new file renamed over it. The cache keeps its rows."""
         self.cache.flush()
         if not self.cache.moved:
@@ -316,7 +316,7 @@ class TieredRows:
         except BackingFileError as e:
             raise BackingFileError(
                 f"the rows of the tiered table of {str(old.path)!r} are out of row order (a changed row is written "
-                "back where a miss was read): a checkpoint rewrites them in order into a new file beside it first, "
+                "back through its log): a checkpoint rewrites them in order into a new file beside it first, "
                 f"which needs room for a second copy: {e}"
             ) from None
         self._closer.detach()
