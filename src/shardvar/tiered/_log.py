@@ -27,16 +27,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from .._errors import ShardvarValueError
 from .._validate import check_int
 from ._header import RecordLayout
-
-if TYPE_CHECKING:
-    from ._cache import RowCache
 
 __all__ = ["RecordLog", "SEGMENT", "segment_for", "spare_records"]
 
@@ -61,7 +58,9 @@ def spare_records(rows: int, fraction: float) -> int:
 
 
 class RecordLog:
-    """Which records of a file with spare ones are free, and where write-backs go next (see the module)."""
+    """Which records of a file with spare ones are free, and where write-backs go next (see the module).
+
+    Its methods take the ``RowCache`` that owns it (typed ``Any``: ``_cache`` imports this module)."""
 
     def __init__(self, layout: RecordLayout, segment: int | None = None) -> None:
         segment = segment_for(layout.rows) if segment is None else segment
@@ -121,7 +120,7 @@ class RecordLog:
         self.live.index_add_(0, old // self.segment, ones, alpha=-1)
         self.live.index_add_(0, new // self.segment, ones)
 
-    def make_room(self, n: int, cache: RowCache) -> int:
+    def make_room(self, n: int, cache: Any) -> int:
         """At least ``n`` free places besides two segments' (cleaning moves up to one before it frees one), cleaning
         the segments with the fewest live records; returns how many of ``n`` fit (fewer only where the spare
         records are too few for a step's write-backs: the rest go to their own places)."""
@@ -141,7 +140,7 @@ class RecordLog:
         return max(0, min(n, self.room() - reserve))
 
     @staticmethod
-    def write(cache: RowCache, places: torch.Tensor, ids: torch.Tensor, fill: Callable[..., None], *,
+    def write(cache: Any, places: torch.Tensor, ids: torch.Tensor, fill: Callable[..., None], *,
               now: bool = False) -> None:  # fmt: skip
         """Write rows ``ids`` at ascending free ``places`` (``fill(out)`` puts their records in ``out``, in that
         order), with their owners: on the cache's write-behind thread, or here (``now``, or when the thread cannot
@@ -167,7 +166,7 @@ class RecordLog:
         chosen = usable[torch.topk(self.live[usable], k, largest=False, sorted=True).indices]
         return chosen[: int(torch.searchsorted(gain[chosen].cumsum(0), deficit)) + 1]
 
-    def _clean(self, segments: torch.Tensor, cache: RowCache) -> None:
+    def _clean(self, segments: torch.Tensor, cache: Any) -> None:
         """Move the live records of ``segments`` (ascending) to the head of moved records, a staging area at a
         time; free them."""
         places, step = self._places(segments), cache.staging.shape[0]
