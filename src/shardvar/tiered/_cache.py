@@ -62,6 +62,11 @@ class RowCache:
         relocate: bool = True,
         segment: int | None = None,
     ) -> None:
+        if not file.ordered:  # where each row is, is known to the cache that moved it only
+            raise ShardvarValueError(
+                f"the rows of backing file {str(file.path)!r} are not in row order (written back through its log); "
+                "a backing file is not a checkpoint: restore the table from its last checkpoint (shardvar.load)"
+            )
         layout = file.layout
         self.capacity = check_int(capacity, "cache capacity (rows)", minimum=1)
         # The records in transit between the file and the slots (misses read, rows written back),
@@ -91,11 +96,6 @@ class RowCache:
         # the file has spare records); the file's records are then in row order only through ``places_of``
         self.relocate = check_bool(relocate, "relocate")
         self.log = RecordLog(layout, segment) if self.relocate and self.index.moves and layout.spare else None
-        if not file.ordered:  # where each row is, is known to the cache that moved it only
-            raise ShardvarValueError(
-                f"the rows of backing file {str(file.path)!r} are not in row order (written back through its log); "
-                "a backing file is not a checkpoint: restore the table from its last checkpoint (shardvar.load)"
-            )
         self.moved = False  # whether a row was written back to another place than its own
         self.free = torch.arange(capacity, dtype=torch.int32)  # the slots holding no row, ascending
         self.step = 0

@@ -185,9 +185,7 @@ class RowFile:
             return
         at = HEADER + ids.numpy().astype(np.int64) * self.layout.record_bytes
         pages = np.unique(np.concatenate([at // _PAGE, (at + self.layout.record_bytes - 1) // _PAGE]))
-        starts = np.flatnonzero(np.diff(pages, prepend=pages[0] - 2) != 1)  # runs of consecutive pages
-        ends = np.append(starts[1:], pages.size)
-        for first, count in zip(pages[starts].tolist(), (ends - starts).tolist(), strict=True):
+        for _, first, count in runs(pages):  # a call per run of consecutive pages
             os.posix_fadvise(self.fd, first * _PAGE, count * _PAGE, os.POSIX_FADV_WILLNEED)
 
     def discard(self) -> None:
