@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardvar.tiered._cache as cache_module
+import shardvar.tiered._slots as slots_module
 from shardvar.tiered import RecordLayout, RowCache, RowFile
 from shardvar.tiered._slots import DirectSlots, HashedSlots, slot_index, smallest, victims
 
@@ -144,3 +145,17 @@ def test_training_through_either_index_equals_training_in_memory(tmp_path, monke
         assert isinstance(cache.index, DirectSlots if kind == "direct" else HashedSlots)
         assert cache.stats.evictions > 0 and cache.stats.written_back > 0
         assert torch.equal(cache.peek(torch.arange(64))[0], memory)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_victims_among_many_ties_are_the_first_slots(monkeypatch, seed):
+    """Ties beyond a slice (``_SLICE``, made small here) are found a slice at a time, with the same answer."""
+    monkeypatch.setattr(slots_module, "_SLICE", 4)
+    g = torch.Generator().manual_seed(seed)
+    used = torch.randint(0, 3, (60,), generator=g, dtype=torch.int32)
+    since = int(torch.randint(1, 4, (1,), generator=g))
+    held = [i for i, u in enumerate(used.tolist()) if u < since]
+    k = max(1, len(held) // 2)
+    expected = sorted(sorted(held, key=lambda i: (int(used[i]), i))[:k])
+    assert smallest(used.clone(), k, since).tolist() == expected
+    assert victims("lru", used.clone(), torch.ones(60, dtype=torch.int32), k, since).tolist() == expected

@@ -175,11 +175,10 @@ class RowCache:
                 self._refuse(ids, protect_since)
             chosen = victims(self.policy, used, self.count, short, protect_since)
         self.step = step  # checked: from here on the cache changes
-        held = torch.zeros(self.capacity, dtype=torch.bool).index_fill_(0, hits, True)
-        self.used.masked_fill_(held, step)
-        if self.count.numel():
-            self.count += held
-        self.stats.hits += int(held.sum())
+        self.used.index_fill_(0, hits, step)  # (repeats write the same step)
+        if self.count.numel():  # a use per distinct slot
+            self.count += torch.zeros(self.capacity, dtype=torch.bool).index_fill_(0, hits, True)
+        self.stats.hits += int((self.used == step).sum())  # no slot had this step before: this batch's hits
         if new_ids.numel() == 0:
             return slot
         if chosen is not None:

@@ -33,6 +33,7 @@ from .._errors import ShardvarValueError
 from .._validate import check_int
 from . import _native
 from ._header import HEADER, OWNER_BYTES, BackingFileError, RecordLayout, read_header, write_header
+from ._mapped import MappedRecords
 from ._pyio import python_transfer, run_parts, runs
 
 __all__ = ["RowFile", "RecordLayout", "BackingFileError"]
@@ -64,6 +65,8 @@ class RowFile:
         # Whether the last large read mostly waited for the disk: then writes, which read their pages
         # first, go out on many threads too (in the page cache one thread writes fastest: _native_io.c)
         self.disk_bound = False
+        # While the page cache holds the whole file, reads are a gather from a mapping of it (``_mapped``)
+        self.mapped = MappedRecords(fd, HEADER, layout.places, layout.record_bytes)
 
     # -- opening and closing ------------------------------------------------------------------------
     @classmethod
@@ -149,6 +152,7 @@ class RowFile:
         if self.fd < 0:
             return
         self._pool.shutdown(wait=not self.inline)
+        self.mapped.close()
         os.fsync(self.fd)
         write_header(self.fd, self.layout, clean=True, ordered=self.ordered)
         os.fsync(self.fd)
@@ -193,6 +197,7 @@ class RowFile:
         marked clean (idempotent)."""
         if self.fd >= 0:
             self._pool.shutdown(wait=not self.inline)
+            self.mapped.close()
             os.close(self.fd)
             self.fd = -1
 
@@ -309,6 +314,9 @@ class RowFile:
     def _transfer(self, ids: np.ndarray, buffer: np.ndarray, *, write: bool) -> None:
         """Move whole records between ``buffer`` (one row per id, ascending ids) and the file."""
         if ids.size == 0:
+            return
+        if not write and self.mapped.read(torch.from_numpy(ids), torch.from_numpy(buffer)):
+            self.disk_bound = False  # (mapped: the page cache holds the file)
             return
         try:
             if self._native is not None:  # a finalizer (``inline``) starts no thread

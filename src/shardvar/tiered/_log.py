@@ -72,6 +72,7 @@ class RecordLog:
                 f"got {layout.rows} rows and {layout.spare} spare records"
             )
         self.segment, self._span = segment, torch.arange(segment, dtype=torch.int64)
+        self.spare = layout.spare
         first = torch.arange(layout.places // segment, dtype=torch.int64) * segment
         self.live = (layout.rows - first).clamp_(0, segment).to(torch.int32)  # records holding a row
         self.open = self.live == 0  # free segments and the head: never cleaned
@@ -123,10 +124,17 @@ class RecordLog:
     def make_room(self, n: int, cache: Any) -> int:
         """At least ``n`` free places besides two segments' (cleaning moves up to one before it frees one), cleaning
         the segments with the fewest live records; returns how many of ``n`` fit (fewer only where the spare
-        records are too few for a step's write-backs: the rest go to their own places)."""
+        records are too few for a step's write-backs: the rest go to their own places).
+
+        Once it cleans, it cleans ahead: up to a staging area's worth of places more (at most an eighth of the
+        spare ones), so cleaning runs every few steps in groups of many segments, not in several small groups
+        every step (each costs ~1 ms besides its records: measured, half the cleaning's time a step)."""
         reserve = 2 * self.segment
-        while self.room() < n + reserve:
-            victims, before = self._victims(n + reserve - self.room()), self.room()
+        if self.room() >= n + reserve:
+            return n
+        ahead = min(cache.staging.shape[0], self.spare // 8) // self.segment * self.segment
+        while self.room() < n + reserve + ahead:
+            victims, before = self._victims(n + reserve + ahead - self.room()), self.room()
             cache.behind.wait()  # a segment filled by a write still in flight is read after it
             while victims.numel():  # a group at a time: its live records fit the room, then it is free
                 fits = int((self.live[victims].to(torch.int64).cumsum(0) <= self.room(moving=True)).sum())

@@ -134,19 +134,21 @@ def slot_index(rows: int, capacity: int) -> DirectSlots | HashedSlots:
 def smallest(priority: torch.Tensor, k: int, above: int) -> torch.Tensor:
     """Positions (ascending) of the ``k`` smallest of ``priority`` below ``above``, ties to the lower position.
 
-    ``priority`` holds non-negative integers (the caller's own copy: it is clamped in place); those at
-    or above ``above`` are never chosen, and at least ``k`` are below it (the caller checked)."""
+    ``priority`` holds non-negative integers (the caller's own copy); those at or above ``above`` are never
+    chosen, and at least ``k`` are below it (the caller checked, so the ``k``-th smallest is below it too)."""
     if k <= 0:
         return torch.empty(0, dtype=torch.int64)
-    threshold = _kth(priority.clamp_(max=above), k)
-    below = (priority < threshold).nonzero().squeeze(1)
-    ties = _first(priority == threshold, k - below.numel())
-    return torch.cat([below, ties]).sort().values
+    threshold, need, tied = _kth(priority, k)
+    if tied > _SLICE:  # slots may tie by the million (rows read in one step): no table-sized arrays of them
+        below = (priority < threshold).nonzero().squeeze(1)
+        return torch.cat([below, _first(priority == threshold, need)]).sort().values
+    taken = (priority <= threshold).nonzero().squeeze(1)  # the ones below and every tie, ascending: one pass
+    tie = priority[taken] == threshold
+    return taken[~tie | (tie.cumsum(0) <= need)]
 
 
 def _first(mask: torch.Tensor, n: int) -> torch.Tensor:
-    """Positions of the first ``n`` true values of ``mask``, a slice at a time: a cache's slots may tie by
-    the million (rows read in one step), and all of their positions would be a table-sized int64 array."""
+    """Positions of the first ``n`` true values of ``mask``, a slice at a time (no table-sized int64 array)."""
     found, have = [], 0
     for start in range(0, mask.numel(), _SLICE):
         if have >= n:
@@ -157,18 +159,20 @@ def _first(mask: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat(found) if found else torch.empty(0, dtype=torch.int64)
 
 
-def _kth(values: torch.Tensor, k: int) -> int:
-    """The ``k``-th smallest (1-based) of non-negative integer ``values``: a radix select, ``_BITS`` a pass."""
+def _kth(values: torch.Tensor, k: int) -> tuple[int, int, int]:
+    """The ``k``-th smallest (1-based) of non-negative integer ``values``, how many of those equal to it are
+    among the ``k`` smallest, and how many equal it: a radix select, ``_BITS`` a pass."""
     shift = max(0, int(values.max()).bit_length() - _BITS)
     found = 0
     while True:
         digits = values >> shift if shift else values
         counts = torch.bincount(digits).cumsum_(0)
         digit = int(torch.searchsorted(counts, k))  # the first digit whose count reaches k
-        k -= int(counts[digit - 1]) if digit else 0
+        before = int(counts[digit - 1]) if digit else 0
+        k -= before
         found += digit << shift
         if shift == 0:
-            return found
+            return found, k, int(counts[digit]) - before
         values = values[digits == digit] - (digit << shift)
         shift = max(0, shift - _BITS)
 
@@ -180,7 +184,7 @@ def victims(policy: str, used: torch.Tensor, count: torch.Tensor, k: int, since:
     if policy == "lru":
         return smallest(used, k, since)
     uses = torch.where(used < since, count, int(count.max()) + 1)
-    fewest = _kth(uses, k)
+    fewest = _kth(uses, k)[0]
     sure = (uses < fewest).nonzero().squeeze(1)
     tied = used.masked_fill_(uses != fewest, since)  # (``used`` is the caller's copy)
     return torch.cat([sure, smallest(tied, k - sure.numel(), since)]).sort().values
