@@ -38,3 +38,11 @@ def one_rank():
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def system_call_reads(monkeypatch):
+    """Backing files read by system calls only, never through a mapping (``tiered/_mapped.py``): a test of what
+    reading ahead does (a file the page cache holds is not read ahead) would otherwise depend on whether the
+    kernel kept the file's pages."""
+    monkeypatch.setenv("SHARDVAR_MAP_READS", "0")

@@ -145,3 +145,17 @@ def test_cleaning_runs_ahead_of_what_a_step_needs(tmp_path):
         n = log.room() - reserve + 1
         assert log.make_room(n, cache) == n
         assert log.room() >= n + reserve + ahead and cache.stats.relocated > moved
+
+
+@needs_cachestat
+def test_nothing_is_read_ahead_while_reads_are_gathers(tmp_path):
+    """Reading ahead a file the page cache holds costs more than it saves; released, the mapping reads ahead again."""
+    with _cached_file(tmp_path) as f:
+        cache = RowCache(f, 50, "lru", reserve=40)
+        cache.resolve(torch.arange(10))
+        assert f.mapped.active
+        assert cache.stage(torch.arange(100, 120), limit=20) == 0 and cache.staged_rows == 0
+        f.mapped.release()
+        assert cache.stage(torch.arange(100, 120), limit=20) == 20 and cache.staged_rows == 20
+        cache.resolve(torch.arange(100, 120))
+        assert cache.stats.prefetched == 20

