@@ -344,7 +344,7 @@ class RowCache:
 
     def mark_dirty(self, slots: torch.Tensor) -> None:
         """The rows (and state) at ``slots`` were changed in place: write them back before evicting."""
-        self.dirty[slots] = True
+        self.dirty.index_fill_(0, slots.reshape(-1).to(torch.int64), True)  # (index_put: twice the time)
 
     def flush(self) -> None:
         """Write every changed row back (before a checkpoint streams the file, and at close)."""
