@@ -186,6 +186,10 @@ def tiered(folder: Path, args: dict) -> dict:
     for d in DISTRIBUTIONS:
         runs[d] = _train(table, Batches(folder / f"{d}.npy"), args, warmup(args, d))
         peaks[d] = peak_rss()
+    # and again after the steps: this disk's rate swings from run to run (the floor takes the faster one)
+    after = [probe(file, args["probe_reads"] * (1 if d == 1 else 4), d, seed=100 + d) for d in depths]
+    for before, later in zip(disk, after, strict=True):
+        before["reads_per_s_after"] = later["reads_per_s"]
     stats = table.cache_stats()
     table.close()  # the changed rows written back: part of the process's peak too
     peaks["closed"] = peak_rss()

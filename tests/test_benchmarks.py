@@ -92,6 +92,8 @@ def test_the_tiered_capacity_run_reports_its_bound_floor_and_both_id_laws(tmp_pa
     assert {(r["ids"], r["prefetch"]) for r in got["runs"]} == {
         (d, p) for d in ("zipf", "uniform") for p in (False, True)
     }
+    for d in got["disk"].values():  # probed before and after the steps; the floor takes the faster
+        assert d["reads_per_s"] == max(d["reads_per_s_before"], d["reads_per_s_after"]) > 0
     rate = got["disk"]["32"]["reads_per_s"]
     for r in got["runs"]:
         assert r["floor_s"] == pytest.approx(max(r["memory_step_s"], r["misses_per_step"] / rate))

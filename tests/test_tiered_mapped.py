@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardvar.tiered._mapped as mapped_module
-from shardvar.tiered import RecordLayout, RowCache, RowFile
+from shardvar.tiered import BackingFileError, RecordLayout, RowCache, RowFile
+from shardvar.tiered._header import HEADER
 from shardvar.tiered._mapped import cached_pages
 from test_tiered_engine import _batches, _init, _train_cached, _train_in_memory
 
@@ -159,3 +162,17 @@ def test_nothing_is_read_ahead_while_reads_are_gathers(tmp_path):
         assert cache.stage(torch.arange(100, 120), limit=20) == 20 and cache.staged_rows == 20
         cache.resolve(torch.arange(100, 120))
         assert cache.stats.prefetched == 20
+
+
+@needs_cachestat
+def test_a_file_cut_short_under_the_mapping_raises_instead_of_crashing(tmp_path):
+    """Another process truncating the file (a hostile act: the file is locked) gets the system calls' clear error,
+    not a SIGBUS from a gather past the file's end."""
+    with _cached_file(tmp_path) as f:
+        f.read(torch.tensor([1]))
+        assert f.mapped.active
+        os.truncate(f.path, HEADER + 10 * f.layout.record_bytes)
+        with pytest.raises(BackingFileError, match="backing file"):
+            f.read(torch.tensor([200]))
+        assert not f.mapped.active
+        f.discard()
