@@ -100,14 +100,24 @@ class Batches:
             del mapped
 
 
-def _step(module: torch.nn.Module, batches: np.ndarray, prefetch: bool) -> float:
-    """Seconds per step of ``batches`` (``[steps, batch, bag]``), read ahead or not."""
+def _step(
+    module: torch.nn.Module, batches: np.ndarray, prefetch: bool, first: Callable[[], None] | None = None
+) -> float:
+    """Seconds per step of ``batches`` (``[steps, batch, bag]``) after the first, read ahead or not.
+
+    A pipeline's first batch has nothing read ahead (no step before it knew its rows), so every chunk's
+    first step runs untimed, in both modes and for both tables; ``first()`` is called after it (the
+    counts start there too). A chunk of one step is timed whole."""
     tensors = [torch.from_numpy(b) for b in batches]
     loop = Prefetcher(tensors, lambda ids: [(module.cache, ids)]) if prefetch else tensors
-    start = time.perf_counter()
-    for ids in loop:
+    start, timed = time.perf_counter(), len(tensors)
+    for i, ids in enumerate(loop):
         module(ids).sum().backward()
-    return (time.perf_counter() - start) / len(tensors)
+        if i == 0 and len(tensors) > 1:
+            if first is not None:
+                first()
+            start, timed = time.perf_counter(), len(tensors) - 1
+    return (time.perf_counter() - start) / timed
 
 
 def warmup(args: dict, dist: str) -> int:
@@ -154,12 +164,17 @@ def _train(table: torch.nn.Module, batches: Batches, args: dict, warmup: int) ->
         _step(table, batches[first : min(warmup, first + WARMUP_PIECE)], False)
     out = {m: {"seconds": [], "steps": 0, **dict.fromkeys(COUNTS, 0)} for m in MODES}
     for mode, part in chunks(args, warmup):
-        before, disk = table.cache_stats(), disk_bytes()
-        out[mode]["seconds"].append(_step(table, batches[part], mode == "on"))
-        after, now = {**table.cache_stats()}, disk_bytes()
-        after["disk_bytes_read"], after["disk_bytes_written"] = now
-        before["disk_bytes_read"], before["disk_bytes_written"] = disk
-        out[mode]["steps"] += part.stop - part.start
+        before: dict = {}
+
+        def counts(into: dict = before) -> None:  # (again after the chunk's first step: the timed steps' counts)
+            into.update(table.cache_stats())
+            into["disk_bytes_read"], into["disk_bytes_written"] = disk_bytes()
+
+        counts()
+        out[mode]["seconds"].append(_step(table, batches[part], mode == "on", counts))
+        after: dict = {}
+        counts(after)
+        out[mode]["steps"] += max(1, part.stop - part.start - 1)
         for key in COUNTS:
             out[mode][key] += int(after[key] - before[key])
     return out

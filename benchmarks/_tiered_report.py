@@ -84,8 +84,10 @@ def report(config: dict, memory: dict, tiered: dict, counts: dict | None) -> dic
          f"{r['disk_bytes_read_per_step'] / MIB:.2f} / {r['disk_bytes_written_per_step'] / MIB:.2f}")
         for r in runs
     ]  # fmt: skip
-    title = (f"floor: max(in-memory step, misses / reads per s at queue depth {tiered['queue_depth']}, the faster "
-             "of its probes before and after the steps)")
+    title = (
+        f"floor: max(in-memory step, misses / reads per s at queue depth {tiered['queue_depth']}, the faster "
+        "of its probes before and after the steps)"
+    )
     print_table(["ids, read-ahead", "step ms", "in memory ms", "floor ms", f"vs floor (<= {FLOOR_GOAL}x)",
                  "hit rate", "misses / step (of ids)", "written back / moved by the log, a step",
                  "tier MiB read / written per step",
