@@ -41,8 +41,8 @@ def one_rank():
 
 
 @pytest.fixture
-def system_call_reads(monkeypatch):
-    """Backing files read by system calls only, never through a mapping (``tiered/_mapped.py``): a test of what
-    reading ahead does (a file the page cache holds is not read ahead) would otherwise depend on whether the
-    kernel kept the file's pages."""
-    monkeypatch.setenv("SHARDVAR_MAP_READS", "0")
+def unmapped_files(monkeypatch):
+    """Backing files read and written by system calls only, never through a mapping (``tiered/_mapped.py``): a test
+    of what reading ahead or the log does (a file the page cache holds is not read ahead, and its rows go back to
+    their own places) would otherwise depend on whether the kernel kept the file's pages."""
+    monkeypatch.setenv("SHARDVAR_MAP_FILES", "0")

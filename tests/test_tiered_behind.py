@@ -72,7 +72,7 @@ def test_a_row_written_behind_and_missed_again_is_read_after_its_write(tmp_path,
     f.close()
 
 
-@pytest.mark.usefixtures("system_call_reads")
+@pytest.mark.usefixtures("unmapped_files")
 def test_a_read_ahead_started_during_a_write_reads_after_it(tmp_path, monkeypatch):
     f, cache, _ = _evicted_dirty(tmp_path, monkeypatch)
     assert cache.stage(torch.tensor([9]), limit=4) == 1  # issued after the write: waits for it

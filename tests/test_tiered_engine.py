@@ -161,7 +161,7 @@ def _train_cached(cache: RowCache, batches, prefetch: bool):
 @pytest.mark.parametrize("capacity", [12, 20, 64])
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("relocate", [True, False])
-@pytest.mark.usefixtures("system_call_reads")
+@pytest.mark.usefixtures("unmapped_files")
 def test_cached_training_equals_training_in_memory(tmp_path, policy, capacity, prefetch, relocate):
     """Whether changed rows go back to their own places or through the file's log (segments of 4 records, 16
     spare ones: the log is cleaned every few steps)."""
@@ -219,7 +219,7 @@ def test_rows_of_a_batch_in_flight_are_kept(tmp_path):
         assert bool((cache.lookup(torch.tensor([1, 2, 3])) >= 0).all())
 
 
-@pytest.mark.usefixtures("system_call_reads")
+@pytest.mark.usefixtures("unmapped_files")
 def test_a_staged_row_written_back_meanwhile_is_read_again(tmp_path):
     with _file(tmp_path) as f:
         cache = RowCache(f, 2)
@@ -241,7 +241,7 @@ def test_prefetch_errors_reach_the_loop(tmp_path):
 
 
 @pytest.mark.parametrize("reserve", [0, 1, 4, 9])
-@pytest.mark.usefixtures("system_call_reads")
+@pytest.mark.usefixtures("unmapped_files")
 def test_staged_records_never_exceed_the_reserve(tmp_path, reserve):
     with _file(tmp_path) as f:
         cache = RowCache(f, 8, reserve=reserve)

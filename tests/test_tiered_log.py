@@ -194,7 +194,7 @@ def test_a_log_needs_whole_segments_and_room(tmp_path):
         RecordLog(RecordLayout(64, 2, "float32", 0, 24), segment=8)
 
 
-@pytest.mark.usefixtures("system_call_reads")
+@pytest.mark.usefixtures("unmapped_files")
 def test_a_read_ahead_waits_only_for_a_write_of_its_own_records(tmp_path, monkeypatch):
     """A read ahead started while a write-back is in flight reads at once unless that write writes one of its
     records (a row just written back through the log): then it reads after it, and gets the written row."""

@@ -74,7 +74,7 @@ def _state_of(opt, slot):
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
-@pytest.mark.usefixtures("system_call_reads")
+@pytest.mark.usefixtures("unmapped_files")
 def test_training_equals_the_table_in_memory_bitwise(tmp_path, cls, policy, prefetch, opt_name):
     bags = cls is shardvar.ShardedEmbeddingBag
     kw = {"mode": "sum"} if bags else {}
@@ -340,7 +340,7 @@ def test_other_lookup_options_equal_the_table_in_memory(tmp_path, cls, options):
 
 @pytest.mark.parametrize("read_ahead", [0.1, 0.25, 0.5])
 @pytest.mark.parametrize("limit", [3, 1 << 16])
-@pytest.mark.usefixtures("system_call_reads")
+@pytest.mark.usefixtures("unmapped_files")
 def test_slots_and_rows_read_ahead_stay_within_cache_bytes(tmp_path, monkeypatch, read_ahead, limit):
     from shardvar.tiered import RowCache
 

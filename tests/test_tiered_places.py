@@ -26,6 +26,8 @@ from test_tiered_load_atomic import _lookups, _mount_tmpfs, _same, _snapshot
 
 ROWS = TIERED_ROWS
 _train = functools.partial(train_bags, steps=8, seed=2)
+# rows move through the log only while the file is not mapped for writes (a file the page cache holds is)
+pytestmark = pytest.mark.usefixtures("unmapped_files")
 
 
 def _pair(tmp_path, **kwargs):

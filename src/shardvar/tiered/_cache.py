@@ -13,7 +13,9 @@ area; the misses are read from the file in concurrent reads.
 
 Where a row is written back: where the index keeps a place per row (``_slots.DirectSlots``) and the
 file has spare records, into the next free record of the file's log (``_log.RecordLog``): a step's
-write-backs are one sequential write, not a random page write each. The records are then out of row
+write-backs are one sequential write, not a random page write each (while the page cache holds the
+file and a mapping of it takes writes, each row goes back to its own place instead: a scatter, with
+nothing for the log to clean). The records are then out of row
 order (``places_of`` says where each row is; ``TieredRows`` puts them back in order before a
 checkpoint maps the file). Records pass between the file and the slots through one staging area
 allocated once (counted in ``nbytes``, as the write-behind area is), so no buffer of a batch's size
@@ -34,6 +36,7 @@ from .._validate import check_bool, check_choice, check_int
 from ._behind import WriteBehind
 from ._file import RowFile
 from ._log import RecordLog
+from ._native import scatter_rows
 from ._slots import slot_index, victims
 from ._transit import CacheStats, Staged
 
@@ -230,7 +233,9 @@ class RowCache:
         """Give up ``slots`` (ascending), writing back the rows that changed since they were read: through the
         file's log as far as it has room (see the module docstring), the rest to their own places."""
         gone, done = slots[self.dirty[slots]], 0
-        while self.log is not None and done < gone.numel():  # a write-behind area at a time
+        # While the mapping takes writes (the page cache holds the file), a row's own place costs a scatter: no log
+        in_place = self.file.mapped.takes_writes
+        while self.log is not None and not in_place and done < gone.numel():  # a write-behind area at a time
             n = self.log.make_room(min(gone.numel() - done, self.behind.area.shape[0]), self)  # (may move homes)
             if n == 0:
                 break
@@ -241,7 +246,7 @@ class RowCache:
             self.log.moved(old, new)
             self.stats.written_back += n
             done += n
-        self._write_back(gone[done:], behind=done == 0)
+        self._write_back(gone[done:], behind=done == 0 and not in_place)
         keys = self.key[slots].to(torch.int64)
         self.index.remove(keys, self.home[slots].to(torch.int64))
         self.key[slots] = -1
@@ -277,8 +282,8 @@ class RowCache:
             records = self.staging[: b - a]
             fill(a, b, records)
             values, state = self.layout.split(records)
-            self.values.index_copy_(0, slots[a:b], values)
-            self.state.index_copy_(0, slots[a:b], state)
+            scatter_rows(self.values, slots[a:b], values)
+            scatter_rows(self.state, slots[a:b], state)
 
     def _write_back(self, slots: torch.Tensor, behind: bool = False) -> None:
         """Write the rows at ``slots`` to their homes, in place order: on the write-behind thread where ``behind``

@@ -315,7 +315,8 @@ class RowFile:
         """Move whole records between ``buffer`` (one row per id, ascending ids) and the file."""
         if ids.size == 0:
             return
-        if not write and self.mapped.read(torch.from_numpy(ids), torch.from_numpy(buffer)):
+        through = self.mapped.write if write else self.mapped.read
+        if through(torch.from_numpy(ids), torch.from_numpy(buffer)):
             self.disk_bound = False  # (mapped: the page cache holds the file)
             return
         try:

@@ -1,9 +1,9 @@
-"""MappedRecords: a backing file's records read through a read-only mapping while the page cache holds the file.
+"""MappedRecords: a backing file's records read (and written) through a mapping while the page cache holds the file.
 
 Why: a record read from the page cache by ``pread`` costs ~0.8 us of kernel time (a system call, a look-up, a
 copy); a training step's 7k misses then cost ~6 ms, more than half the in-memory step. Through a shared
 mapping of the file, once its pages are mapped, the same reads are one gather (``torch.index_select``),
-~0.05 us a record. Writes still go through ``pwrite``: the page cache is one, so a mapping sees them at once.
+~0.05 us a record. The page cache is one, so what ``pwrite`` writes the mapping sees at once, and the reverse.
 
 When: only while the page cache holds (nearly) the whole file. A mapped page that is not there faults in the
 gathering thread, one disk read at a time, where ``RowFile``'s reads keep many in flight. Whether it is
@@ -12,12 +12,18 @@ held is asked of the kernel (``cachestat``, Linux 6.5+; elsewhere the mapping is
 a gather that took major page faults means the file left the page cache: the mapping is released and the
 system-call reads take over again until the next check.
 
+Writes: while mapped, a record written back (``RowFile.write_from``) is a scatter into the mapping too, where a
+``pwrite`` of a record into the page cache costs 2-5 us. Only a file whose records all have blocks on the disk
+is mapped writable (``SEEK_HOLE`` finds none): a write into a hole would allocate one in the page fault, where
+a full disk is a ``SIGBUS``, not an error. Created files are reserved whole (``posix_fallocate``) and written.
+A write that faults (a page the page cache no longer holds) releases the mapping, as a read does.
+
 What it costs: the mapped pages count in the process's RSS (as shared file pages, ``RssFile``); they are the
 page cache's, which the kernel reclaims as before. Released, the file is unmapped and they leave the
 process. A file truncated under the mapping by another process would kill this one (``SIGBUS``): ``RowFile``
 holds an exclusive lock on it, which a cooperating process respects, and each gather first checks the
 file's size (``fstat``, ~1 us), so only a truncation in the middle of a gather is not caught.
-``SHARDVAR_MAP_READS=0`` turns the mapping off.
+``SHARDVAR_MAP_FILES=0`` turns the mapping off.
 """
 
 from __future__ import annotations
@@ -30,8 +36,11 @@ import resource
 import threading
 import time
 import warnings
+from collections.abc import Callable
 
 import torch
+
+from ._native import scatter_rows
 
 __all__ = ["MappedRecords", "cached_pages"]
 
@@ -59,6 +68,15 @@ def cached_pages(fd: int, offset: int, length: int) -> int | None:
     return int(stat.cache)
 
 
+def _allocated(fd: int, offset: int, length: int) -> bool:
+    """Whether bytes ``[offset, offset + length)`` of ``fd`` have blocks on the disk: no hole (``SEEK_HOLE``; where
+    the system cannot say, False). The file's position is not used by ``RowFile`` (it reads and writes at offsets)."""
+    try:
+        return os.lseek(fd, offset, os.SEEK_HOLE) >= offset + length
+    except (OSError, AttributeError):
+        return False
+
+
 def _major_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_majflt  # every thread's: a gather may run on several
 
@@ -69,33 +87,53 @@ class MappedRecords:
 
     def __init__(self, fd: int, offset: int, records: int, record_bytes: int) -> None:
         self.fd, self.offset, self.records, self.record_bytes = fd, offset, records, record_bytes
-        self.enabled = os.environ.get("SHARDVAR_MAP_READS", "1").strip() != "0" and records > 0
+        self.enabled = os.environ.get("SHARDVAR_MAP_FILES", "1").strip() != "0" and records > 0
         self._map: mmap.mmap | None = None
         self._view: torch.Tensor | None = None  # [records, record_bytes] over the mapping: never handed out
+        self.writable = False  # whether the mapping takes writes too (see the module docstring)
         self._next_check = 0.0  # (monotonic seconds) the first read asks
         self._lock = threading.Lock()  # a gather and a release or close: the mapping stays while a gather reads it
-        self.gathers = 0  # reads served through the mapping
+        self.gathers = self.scatters = 0  # reads and writes served through the mapping
 
     @property
     def active(self) -> bool:
         """Whether reads go through the mapping now."""
         return self._view is not None
 
+    @property
+    def takes_writes(self) -> bool:
+        """Whether writes go through the mapping now (it is active and writable)."""
+        return self._view is not None and self.writable
+
     def read(self, ids: torch.Tensor, out: torch.Tensor) -> bool:
         """Copy the records of ``ids`` (int64, in range) into ``out`` if reads go through the mapping now; False
         (nothing done) where they do not: the caller reads them with system calls."""
         if not self.enabled or (self._view is None and not self._check()):
             return False
+        return self._through(ids, lambda view: torch.index_select(view, 0, ids, out=out), write=False)
+
+    def write(self, ids: torch.Tensor, records: torch.Tensor) -> bool:
+        """Copy ``records`` (one per distinct id of ``ids``, int64, in range) into the file's records if the mapping
+        takes writes now; False (nothing done) where it does not: the caller writes them with system calls."""
+        if not self.takes_writes:
+            return False
+        return self._through(ids, lambda view: scatter_rows(view, ids, records), write=True)
+
+    def _through(self, ids: torch.Tensor, move: Callable[[torch.Tensor], object], write: bool) -> bool:
         with self._lock:
-            if self._view is None or os.fstat(self.fd).st_size < self.offset + self._view.numel():
+            if self._view is None or (write and not self.writable) or self._cut_short():
                 self._release()  # (a file cut short under the mapping: its system calls say how)
                 return False
             before = _major_faults()
-            torch.index_select(self._view, 0, ids, out=out)
-            self.gathers += 1
+            move(self._view)
+            self.scatters += write
+            self.gathers += not write
             if _major_faults() - before > max(8, ids.numel() // 256):  # the page cache no longer holds the file
                 self._release()
         return True
+
+    def _cut_short(self) -> bool:
+        return os.fstat(self.fd).st_size < self.offset + self.records * self.record_bytes
 
     def _check(self) -> bool:
         """Map the file if the time to ask has come and the page cache holds it."""
@@ -116,14 +154,31 @@ class MappedRecords:
         return True
 
     def _open(self, length: int) -> None:
+        self.writable = _allocated(self.fd, self.offset, length)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
         try:
-            self._map = mmap.mmap(self.fd, length, mmap.MAP_SHARED, mmap.PROT_READ, offset=self.offset)
+            self._map = mmap.mmap(self.fd, length, mmap.MAP_SHARED, prot, offset=self.offset)
+        except PermissionError:  # (a file opened for reading only)
+            self.writable = False
+            return self._open_read_only(length)
         except (OSError, ValueError, OverflowError):  # (no address space for it: the system calls read as before)
             self.enabled = False
+            return None
+        self._view_map()
+        return None
+
+    def _open_read_only(self, length: int) -> None:
+        try:
+            self._map = mmap.mmap(self.fd, length, mmap.MAP_SHARED, mmap.PROT_READ, offset=self.offset)
+        except (OSError, ValueError, OverflowError):
+            self.enabled = False
             return
+        self._view_map()
+
+    def _view_map(self) -> None:
         if hasattr(self._map, "madvise"):  # rows are read where ids fall: no read-ahead around a faulting page
             self._map.madvise(mmap.MADV_RANDOM)
-        with warnings.catch_warnings():  # read-only memory: only ever read here (index_select copies out)
+        with warnings.catch_warnings():  # a read-only mapping is only ever read here (index_select copies out)
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(self._map, dtype=torch.uint8)
         self._view = flat.view(self.records, self.record_bytes)

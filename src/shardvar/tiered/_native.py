@@ -6,6 +6,10 @@ kernel walks the ids, coalesces runs, reads the page-cached ones at once (``prea
 and the rest on its own threads, all without the interpreter's lock, so a run costs about its
 system call, ~0.7 us (4096 page-cached reads of 264 B: 11.2 ms in Python, 2.8 ms here).
 
+It also copies rows between a cache's slots and the records of a mapped file or staging area by index
+(``scatter_rows``): a ``memcpy`` a row, where ``index_copy_`` moves an element at a time (7k rows of
+256 B into a 400k-row table: 0.9 ms, 2.7 ms for 264 B records as bytes).
+
 It is compiled on first use and cached (:mod:`shardvar._native`: where, and when it is not). Without
 a kernel :func:`kernel` is ``None`` and ``RowFile`` takes its Python path (the same bytes and the
 same errors; one debug log line says why).
@@ -20,13 +24,14 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from .. import _native
 
-__all__ = ["Kernel", "kernel", "short_transfer"]
+__all__ = ["Kernel", "kernel", "scatter_rows", "short_transfer"]
 
 SOURCE = Path(__file__).with_name("_native_io.c")
-_ABI = 1  # sv_abi_version() of the source this module calls
+_ABI = 2  # sv_abi_version() of the source this module calls
 _SHORT = -1  # sv_transfer's code for a read at the end of the file (or a write of nothing)
 _lock = threading.Lock()
 _loaded: dict[str, Kernel | None] = {}  # "kernel": this process's answer, once
@@ -49,6 +54,20 @@ class Kernel:
                        c.c_void_p)  # fmt: skip
         fn.restype = c.c_int
         self._fn = fn
+        copy = library.sv_copy_rows
+        copy.argtypes = (c.c_void_p, c.c_int64, c.c_int64, c.c_void_p) * 2 + (c.c_int64, c.c_int64)
+        copy.restype = c.c_int64
+        self._copy = copy
+
+    def scatter_rows(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst[index[i]] = src[i]`` (see ``scatter_rows``; the tensors qualified)."""
+        size = dst.element_size()
+        to = (dst.data_ptr(), dst.stride(0) * size, dst.shape[0], index.data_ptr())
+        bad = self._copy(
+            *to, src.data_ptr(), src.stride(0) * size, src.shape[0], None, index.numel(), dst.shape[1] * size
+        )
+        if bad:
+            raise IndexError(f"index {int(index[bad - 1])} is out of bounds for dimension 0 with size {dst.shape[0]}")
 
     def transfer(
         self,
@@ -89,3 +108,23 @@ def _load() -> Kernel | None:
 def built() -> Path:
     """The compiled library, compiled now if this source has none in the cache folder yet."""
     return _native.build(SOURCE, "native_io", _ABI)
+
+
+def scatter_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.index_copy_(0, index, src)`` for 2-D ``dst`` and ``src`` of one dtype and width: by the kernel where it
+    can take them (plain CPU tensors, rows of unit stride, an int64 ``index``, no autograd), else by torch."""
+    fast = kernel() if _qualifies(dst, index, src) else None
+    if fast is None:
+        dst.index_copy_(0, index, src)
+    else:
+        fast.scatter_rows(dst, index, src)
+
+
+def _qualifies(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> bool:
+    if not _native.on_cpu_memory(dst, index, src) or dst.requires_grad or src.requires_grad:
+        return False
+    if dst.dim() != 2 or src.dim() != 2 or index.dim() != 1 or dst.dtype != src.dtype:
+        return False
+    if index.dtype != torch.int64 or not index.is_contiguous() or src.shape != (index.numel(), dst.shape[1]):
+        return False
+    return dst.stride(1) == 1 and src.stride(1) == 1 and dst.shape[1] > 0

@@ -9,6 +9,9 @@
  * Returns 0, an errno, or SV_SHORT (the file ended: a read of 0 bytes, a write of none); on a
  * failure info[0] is the file offset of the lowest failing transfer. info[1] counts the runs that
  * went to the blocking path. No Python here: ctypes calls it without the interpreter's lock.
+ *
+ * sv_copy_rows copies rows between two row-major arrays by index: a cache's slots and a mapping of the
+ * file (or its staging area), a memcpy a row where torch's index_copy_ moves one element at a time.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -16,6 +19,7 @@
 #include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -42,7 +46,7 @@ typedef struct {
     pthread_mutex_t lock;
 } job;
 
-int sv_abi_version(void) { return 1; }
+int sv_abi_version(void) { return 2; }
 
 /* Move all of one piece, blocking; EINTR is retried, a short call continued. */
 static int whole(int fd, int write, int64_t offset, uint8_t *data, int64_t length, int64_t *at) {
@@ -165,4 +169,29 @@ int sv_transfer(int fd, const int64_t *ids, int64_t n, int64_t record_bytes, int
     free(pieces);
     info[0] = j.error_at;
     return j.error;
+}
+
+/* Rows at random places miss every cache level: the next ones are asked for while this one is copied. */
+#define AHEAD 8
+
+/* dst row dst_index[i] = src row src_index[i] (either index NULL: row i), for i < n, `width` bytes a row,
+   rows `*_stride` bytes apart. Returns 0, or 1 + the first i whose index is outside [0, *_rows): then
+   nothing was copied. */
+int64_t sv_copy_rows(uint8_t *dst, int64_t dst_stride, int64_t dst_rows, const int64_t *dst_index,
+                     const uint8_t *src, int64_t src_stride, int64_t src_rows, const int64_t *src_index,
+                     int64_t n, int64_t width) {
+    for (int64_t i = 0; i < n; i++) {
+        int64_t d = dst_index ? dst_index[i] : i, s = src_index ? src_index[i] : i;
+        if (d < 0 || d >= dst_rows || s < 0 || s >= src_rows)
+            return i + 1;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) {
+            __builtin_prefetch(dst + (dst_index ? dst_index[i + AHEAD] : i + AHEAD) * dst_stride, 1);
+            __builtin_prefetch(src + (src_index ? src_index[i + AHEAD] : i + AHEAD) * src_stride, 0);
+        }
+        int64_t d = dst_index ? dst_index[i] : i, s = src_index ? src_index[i] : i;
+        memcpy(dst + d * dst_stride, src + s * src_stride, (size_t)width);
+    }
+    return 0;
 }

@@ -1,0 +1,73 @@
+"""``scatter_rows`` (``tiered/_native.py``): the native row copy a cache's slots and a mapped file's records move
+through, against ``index_copy_`` (its fallback and reference)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import shardvar.tiered._native as native_module
+from shardvar.tiered._native import scatter_rows
+from test_tiered_native import kernel  # noqa: F401 (a fixture: skips where no kernel can be had)
+
+DTYPES = [torch.uint8, torch.float32, torch.int64]
+
+
+@st.composite
+def _case(draw):
+    """A table (maybe a column slice of records, as a layout's split gives), distinct rows, and source rows (maybe
+    a slice of a wider array too)."""
+    dtype = draw(st.sampled_from(DTYPES))
+    rows, width = draw(st.integers(1, 40)), draw(st.integers(1, 9))
+    pad_dst, pad_src = draw(st.integers(0, 3)), draw(st.integers(0, 3))
+    index = draw(st.lists(st.integers(0, rows - 1), unique=True, max_size=rows))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    dst = torch.randint(0, 100, (rows, width + pad_dst), generator=g).to(dtype)[:, pad_dst:]
+    src = torch.randint(0, 100, (len(index), width + pad_src), generator=g).to(dtype)[:, :width]
+    return dst, torch.tensor(index, dtype=torch.int64), src
+
+
+@settings(max_examples=80, deadline=None)
+@given(_case())
+def test_the_kernel_copies_what_index_copy_does(kernel, case):  # noqa: F811
+    dst, index, src = case
+    expected = dst.clone().index_copy_(0, index, src)
+    scatter_rows(dst, index, src)
+    assert torch.equal(dst, expected)
+
+
+def test_an_index_out_of_range_raises_as_torch_does_and_copies_nothing(kernel):  # noqa: F811
+    dst, src = torch.zeros((4, 3)), torch.ones((3, 3))
+    for bad in ([0, 1, 4], [-1, 0, 1]):
+        with pytest.raises(IndexError, match=f"index {bad[2] if bad[2] == 4 else -1} is out of bounds"):
+            scatter_rows(dst, torch.tensor(bad), src)
+        assert torch.equal(dst, torch.zeros((4, 3)))
+
+
+@pytest.mark.parametrize("why", ["no kernel", "grad", "dtype", "strided rows", "int32 index"])
+def test_what_the_kernel_cannot_take_goes_to_torch(monkeypatch, why):
+    """Each case reaches ``index_copy_`` (spied on): the same result, or torch's own error."""
+    dst, index, src = torch.zeros((5, 4)), torch.tensor([3, 0]), torch.arange(8.0).view(2, 4)
+    if why == "no kernel":
+        monkeypatch.setattr(native_module, "kernel", lambda: None)
+    elif why == "grad":
+        src.requires_grad_(True)
+    elif why == "dtype":
+        src = src.double()
+    elif why == "strided rows":
+        dst = torch.zeros((4, 5)).t()
+    else:
+        index = index.int()
+    calls = []
+    original = torch.Tensor.index_copy_
+    monkeypatch.setattr(torch.Tensor, "index_copy_", lambda self, *a: calls.append(1) or original(self, *a))
+    if why in ("dtype", "int32 index"):  # index_copy_ takes neither
+        with pytest.raises(RuntimeError):
+            scatter_rows(dst, index, src)
+    else:
+        expected = torch.zeros(dst.shape).index_copy_(0, index.long(), src.detach())
+        scatter_rows(dst, index, src)
+        assert torch.equal(dst, expected)
+    assert calls
