@@ -1,5 +1,6 @@
-"""``scatter_rows`` (``tiered/_native.py``): the native row copy a cache's slots and a mapped file's records move
-through, against ``index_copy_`` (its fallback and reference)."""
+"""``scatter_rows`` and ``fill_at`` (``tiered/_native.py``): the native row copy a cache's slots and a mapped file's
+records move through, and the flag setter of its per-slot arrays, against ``index_copy_`` and ``index_fill_`` (their
+fallbacks and references)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardvar.tiered._native as native_module
-from shardvar.tiered._native import scatter_rows
+from shardvar.tiered._native import fill_at, scatter_rows
 from test_tiered_native import kernel  # noqa: F401 (a fixture: skips where no kernel can be had)
 
 DTYPES = [torch.uint8, torch.float32, torch.int64]
@@ -63,7 +64,7 @@ def test_what_the_kernel_cannot_take_goes_to_torch(monkeypatch, why):
     calls = []
     original = torch.Tensor.index_copy_
     monkeypatch.setattr(torch.Tensor, "index_copy_", lambda self, *a: calls.append(1) or original(self, *a))
-    if why in ("dtype", "int32 index"):  # index_copy_ takes neither
+    if why == "dtype":  # index_copy_'s own error
         with pytest.raises(RuntimeError):
             scatter_rows(dst, index, src)
     else:
@@ -71,3 +72,30 @@ def test_what_the_kernel_cannot_take_goes_to_torch(monkeypatch, why):
         scatter_rows(dst, index, src)
         assert torch.equal(dst, expected)
     assert calls
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from([torch.bool, torch.int32, torch.int64, torch.float32]),
+    st.integers(1, 50),
+    st.lists(st.integers(0, 10**6), max_size=80),
+    st.integers(-5, 5),
+    st.booleans(),
+)
+def test_fill_at_sets_what_index_fill_does(kernel, dtype, length, raw, value, native):  # noqa: F811
+    """Repeats included (every one writes the same value)."""
+    dst = torch.arange(length).remainder(3).to(dtype)
+    index = torch.tensor([i % length for i in raw], dtype=torch.int64)
+    value = bool(value > 0) if dtype == torch.bool else value
+    expected = dst.clone().index_fill_(0, index, value)
+    if not native:
+        index = index.int()  # (torch's path, given any integer index)
+    fill_at(dst, index, value)
+    assert torch.equal(dst, expected)
+
+
+def test_fill_at_refuses_an_index_out_of_range_and_sets_nothing(kernel):  # noqa: F811
+    dst = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(IndexError, match="index 4 is out of bounds"):
+        fill_at(dst, torch.tensor([0, 4]), 7)
+    assert not bool(dst.any())
