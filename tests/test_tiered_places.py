@@ -133,6 +133,7 @@ def test_write_backs_to_a_file_on_the_disk_are_sent_at_once_and_training_stays_e
     (``RowFile.will_need``: the log's writes fill new pages, none to read); the rows are those of training in
     memory."""
     from shardvar.tiered import RecordLayout, RowCache, RowFile
+    from shardvar.tiered._log import RecordLog
     from test_tiered_engine import _batches, _init, _train_cached, _train_in_memory
 
     layout = RecordLayout(64, 3, "float32", 1, spare=16)
@@ -141,12 +142,54 @@ def test_write_backs_to_a_file_on_the_disk_are_sent_at_once_and_training_stays_e
     with RowFile.create(tmp_path / "t.rows", layout, _init(layout)) as f:
         sent, send, asked, will_need = [], f.send, [], f.will_need
         monkeypatch.setattr(f, "send", lambda: (sent.append(1), send()))
-        monkeypatch.setattr(f, "will_need", lambda ids: (asked.append(ids.clone()), will_need(ids)))
+        monkeypatch.setattr(f, "will_need", lambda ids, owners=False: (asked.append(ids.clone()), will_need(ids)))
+        monkeypatch.setattr(RecordLog, "foresee", lambda *a: None)  # (the next test's)
         f.disk_bound = True  # (small reads never reset it)
         cache = RowCache(f, 14, segment=4, relocate=log)
         _train_cached(cache, batches, prefetch=True)
         # through the log, only the write-backs it had no room for ask for their pages
         assert sent and cache.moved == log and (len(asked) < len(sent) if log else len(asked) == len(sent))
+        values, state = cache.peek(torch.arange(64))
+        assert torch.equal(values, expected[0]) and torch.equal(state, expected[1])
+
+
+def test_a_read_ahead_asks_for_what_the_next_cleaning_reads(tmp_path, monkeypatch):
+    """On the disk, reading ahead asks the kernel for the records and owners of the segments the log cleans next
+    (``RecordLog.foresee``), so that step's thread finds them in the page cache; training stays exact."""
+    from shardvar.tiered import RecordLayout, RowCache, RowFile
+    from shardvar.tiered._log import RecordLog
+    from test_tiered_engine import _adagrad, _batches, _init, _train_in_memory
+
+    layout = RecordLayout(64, 3, "float32", 1, spare=32)  # (cleaning ahead by a segment: one cleaning a step)
+    batches = _batches(64, 40, 12, seed=1)
+    expected = _train_in_memory(layout, batches)
+    with RowFile.create(tmp_path / "t.rows", layout, _init(layout)) as f:
+        asked, will_need, cleaned, clean = {False: set(), True: set()}, f.will_need, [], RecordLog._clean
+        monkeypatch.setattr(f, "will_need", lambda ids, owners=False: (asked[owners].update(ids.tolist()),
+                                                                       will_need(ids, owners=owners)))  # fmt: skip
+        monkeypatch.setattr(
+            RecordLog, "_clean", lambda log, seg, c: (cleaned.append(log._places(seg)), clean(log, seg, c))
+        )
+        cache, read, foreseen = RowCache(f, 14, segment=4), 0, 0
+        for step, ids in enumerate(batches):
+            f.disk_bound = True  # (small reads never reset it)
+            for owners in (False, True):
+                asked[owners].clear()
+            cache.stage(ids, 64)
+            cleaned.clear()
+            slots = cache.resolve(torch.unique(ids))
+            if cleaned:  # the first group; later ones follow from the moves of the first (not foreseen)
+                assert set(cleaned[0].tolist()) <= asked[False] and set(cleaned[0].tolist()) <= asked[True], step
+            read, foreseen = (
+                read + sum(c.numel() for c in cleaned),
+                foreseen + sum(len(set(c.tolist()) & asked[False]) for c in cleaned),
+            )
+            grad = torch.sin(cache.values[slots] * (step + 1))
+            v, s = cache.values[slots], cache.state[slots]
+            _adagrad(v, s, grad)
+            cache.values[slots], cache.state[slots] = v, s
+            cache.mark_dirty(slots)
+        assert cache.stats.relocated > 0 and foreseen * 4 >= read * 3  # (most: here 256 of 300 records)
         values, state = cache.peek(torch.arange(64))
         assert torch.equal(values, expected[0]) and torch.equal(state, expected[1])
 

@@ -38,7 +38,7 @@ from ._file import RowFile
 from ._log import RecordLog
 from ._native import fill_at, scatter_rows
 from ._slots import slot_index, victims
-from ._transit import CacheStats, Staged
+from ._transit import CacheStats, Staged, read_ahead
 
 __all__ = ["RowCache", "CacheStats", "POLICIES", "STAGING_ROWS"]
 
@@ -311,41 +311,9 @@ class RowCache:
 
     # -- reading ahead --------------------------------------------------------------------------------
     def stage(self, ids: torch.Tensor, limit: int) -> int:
-        """Read ahead the records of up to ``limit`` of ``ids`` not in the cache now; returns how many.
-
-        With a ``reserve``, one read ahead takes at most half of it (two batches may be in flight:
-        the one about to run and the next) and all staged records together never more than it.
-
-        Safe beside the trainer's own ``resolve`` (only the index look-up holds the lock): the
-        file is read while it computes, and ``resolve`` takes the staged records instead of reading.
-        While reads are gathers from a mapping of the file (the page cache holds it: ``RowFile.mapped``)
-        nothing is read ahead: a miss then costs less than its hand-over (measured, 2^22 rows in the page
-        cache: 38 ms a step reading ahead, 23 ms not).
-        """
-        with self.lock:
-            flat = ids.reshape(-1)
-            if flat.numel():
-                self._check(int(flat.min()), int(flat.max()))
-            if self.file.mapped.active:
-                return 0
-            missing = flat[self.index.find(flat) < 0]  # a gather of every id, a sort of the few misses only
-            distinct = torch.unique(missing)
-            # the last set is kept while its batch may still want it; one whose rows are all in the slots is spent
-            kept = [s for s in self._staged[-1:] if bool((self.lookup(s.ids) < 0).any())]
-            if self.reserve is not None:  # every staged record together stays within the reserve
-                held = sum(s.ids.numel() for s in kept)
-                limit = min(limit, (self.reserve + 1) // 2, self.reserve - held)
-            staged = Staged(distinct[: max(limit, 0)])
-            places = self.index.places(staged.ids)
-            self._staged = [*kept, staged]
-            # a write issued before this set, of any of its records: read after it (later ones mark ``written``)
-            writing = self.behind.pending if self.behind.writes_any(places) else None
-        if staged.ids.numel():
-            if writing is not None:
-                self.behind.wait(writing)
-            with self.reading:  # (a rebase in between dropped this set: what it reads is never taken)
-                staged.records = self.file.read(places)
-        return staged.ids.numel()
+        """Read ahead the records of up to ``limit`` of ``ids`` not in the cache now; returns how many
+        (``_transit.read_ahead``: how much, what is kept, and why nothing is while the file is mapped)."""
+        return read_ahead(self, ids, limit)
 
     def mark_dirty(self, slots: torch.Tensor) -> None:
         """The rows (and state) at ``slots`` were changed in place: write them back before evicting."""

@@ -176,8 +176,9 @@ class RowFile:
             error = ctypes.get_errno()
             raise BackingFileError(f"cannot write to backing file {str(self.path)!r}: {os.strerror(error)}")
 
-    def will_need(self, ids: torch.Tensor) -> None:
-        """Ask the kernel to read the pages of the records of ascending ``ids`` now, all at once, without waiting.
+    def will_need(self, ids: torch.Tensor, *, owners: bool = False) -> None:
+        """Ask the kernel to read the pages of the records of ascending ``ids`` now (or of their ``owners``), all at
+        once, without waiting.
 
         Called before write-backs when reads show the file is on the disk: a write of part of a page the page
         cache does not hold reads that page first, inside the write, one write at a time under the file's lock
@@ -185,10 +186,11 @@ class RowFile:
         written into it). Asked here (``POSIX_FADV_WILLNEED``, one call per run of pages), those reads are in
         flight together, and each write finds its page or waits for that one read only.
         """
-        if not hasattr(os, "posix_fadvise") or self.fd < 0 or ids.numel() == 0:
+        if not hasattr(os, "posix_fadvise") or self.fd < 0 or ids.numel() == 0 or (owners and not self.layout.spare):
             return
-        at = HEADER + ids.numpy().astype(np.int64) * self.layout.record_bytes
-        pages = np.unique(np.concatenate([at // _PAGE, (at + self.layout.record_bytes - 1) // _PAGE]))
+        base, size = (self.layout.owners_offset, OWNER_BYTES) if owners else (HEADER, self.layout.record_bytes)
+        at = base + ids.numpy().astype(np.int64) * size
+        pages = np.unique(np.concatenate([at // _PAGE, (at + size - 1) // _PAGE]))
         for _, first, count in runs(pages):  # a call per run of consecutive pages
             os.posix_fadvise(self.fd, first * _PAGE, count * _PAGE, os.POSIX_FADV_WILLNEED)
 
@@ -266,11 +268,8 @@ class RowFile:
         raw = self._check_ids(places)
         found = np.zeros(raw.size, dtype=np.int64)
         parts = runs(raw)
-        # on the disk: every run asked for at once, then read one by one (as RowFile.will_need)
-        if len(parts) > 1 and self.disk_bound and hasattr(os, "posix_fadvise"):
-            for _, first, count in parts:
-                os.posix_fadvise(self.fd, self.layout.owners_offset + first * OWNER_BYTES, count * OWNER_BYTES,
-                                 os.POSIX_FADV_WILLNEED)  # fmt: skip
+        if len(parts) > 1 and self.disk_bound:  # on the disk: every run asked for at once, then read one by one
+            self.will_need(places, owners=True)
         for at, first, count in parts:
             found[at : at + count] = np.frombuffer(self._owner_io(first, count), dtype=np.int64)
         own = np.where(raw < self.layout.rows, raw, -1)  # never written: the record of its own row, or a spare one
