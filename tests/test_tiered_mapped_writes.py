@@ -59,7 +59,7 @@ def test_a_file_that_may_have_holes_is_mapped_for_reads_only(tmp_path, monkeypat
         assert f.mapped.active and not f.mapped.takes_writes
         records = torch.full((2, f.layout.record_bytes), 9, dtype=torch.uint8)
         f.write_from(torch.tensor([3, 4]), records)  # by pwrite, which the mapping sees
-        assert f.mapped.scatters == 0 and torch.equal(f.read(torch.tensor([3, 4])), records)
+        assert f.mapped.active and f.mapped.scatters == 0 and torch.equal(f.read(torch.tensor([3, 4])), records)
 
 
 @needs_cachestat

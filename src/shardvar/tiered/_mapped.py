@@ -121,7 +121,9 @@ class MappedRecords:
 
     def _through(self, ids: torch.Tensor, move: Callable[[torch.Tensor], object], write: bool) -> bool:
         with self._lock:
-            if self._view is None or (write and not self.writable) or self._cut_short():
+            if self._view is None or (write and not self.writable):
+                return False
+            if self._cut_short():
                 self._release()  # (a file cut short under the mapping: its system calls say how)
                 return False
             before = _major_faults()
@@ -155,25 +157,17 @@ class MappedRecords:
 
     def _open(self, length: int) -> None:
         self.writable = _allocated(self.fd, self.offset, length)
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
-        try:
-            self._map = mmap.mmap(self.fd, length, mmap.MAP_SHARED, prot, offset=self.offset)
-        except PermissionError:  # (a file opened for reading only)
-            self.writable = False
-            return self._open_read_only(length)
-        except (OSError, ValueError, OverflowError):  # (no address space for it: the system calls read as before)
-            self.enabled = False
-            return None
-        self._view_map()
-        return None
-
-    def _open_read_only(self, length: int) -> None:
-        try:
-            self._map = mmap.mmap(self.fd, length, mmap.MAP_SHARED, mmap.PROT_READ, offset=self.offset)
-        except (OSError, ValueError, OverflowError):
-            self.enabled = False
-            return
-        self._view_map()
+        for prot in (mmap.PROT_READ | mmap.PROT_WRITE, mmap.PROT_READ)[0 if self.writable else 1 :]:
+            try:
+                self._map = mmap.mmap(self.fd, length, mmap.MAP_SHARED, prot, offset=self.offset)
+                break
+            except PermissionError:  # (a file opened for reading only: mapped for reads)
+                self.writable = False
+            except (OSError, ValueError, OverflowError):  # (no address space for it: the system calls as before)
+                self.enabled = False
+                return
+        if self._map is not None:
+            self._view_map()
 
     def _view_map(self) -> None:
         if hasattr(self._map, "madvise"):  # rows are read where ids fall: no read-ahead around a faulting page
