@@ -33,6 +33,7 @@ import torch
 
 from .._errors import ShardvarValueError
 from .._validate import check_bool, check_choice, check_int
+from ..variables import sort_stable
 from ._behind import WriteBehind
 from ._file import RowFile
 from ._log import RecordLog
@@ -219,7 +220,8 @@ class RowCache:
             self._through_staging(slots[use], lambda a, b, out, p=pos[use], s=staged: _select(s.records, p[a:b], out))
             todo &= ~use
         rest = todo.nonzero().squeeze(1)
-        at, order = torch.sort(places[rest])
+        at, order = sort_stable(places[rest], self.layout.places)  # (a radix sort: torch's costs ~4x as much)
+        at = at.to(torch.int64)
         self._through_staging(slots[rest[order]], lambda a, b, out: self.file.read_into(at[a:b], out))
         self.stats.prefetched += ids.numel() - rest.numel()
         scatter_rows(self.key.view(-1, 1), slots, ids.to(self.key.dtype).view(-1, 1))
@@ -250,7 +252,7 @@ class RowCache:
         keys = self.key[slots].to(torch.int64)
         self.index.remove(keys, self.home[slots].to(torch.int64))
         fill_at(self.key, slots, -1)
-        self.free = torch.cat([self.free, slots.to(torch.int32)]).sort().values
+        self.free = sort_stable(torch.cat([self.free, slots.to(torch.int32)]), self.capacity)[0].to(torch.int32)
         self.stats.evictions += slots.numel()
         if self.index.needs_rebuild():
             held = (self.key >= 0).nonzero().squeeze(1)
@@ -290,7 +292,8 @@ class RowCache:
         and they fit its area (the slots may be reused at once: their records were copied), else here."""
         if slots.numel() == 0:
             return
-        places, order = torch.sort(self.home[slots].to(torch.int64))
+        places, order = sort_stable(self.home[slots], self.layout.places)
+        places = places.to(torch.int64)
         slots = slots[order]
         ids = self.key[slots].to(torch.int64)
         if not (behind and self.behind.start(places, lambda out: self._gather(slots, out))):

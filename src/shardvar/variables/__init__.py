@@ -8,7 +8,7 @@ from . import _functional as functional
 from ._autograd import SlabSplit, reading
 from ._bag_grad import Part, pools_rows, sparse_bags
 from ._create import create_partitioned_variables, shard_tensor, to_layout
-from ._distinct import segments, sparse_rows
+from ._distinct import segments, sort_stable, sparse_rows
 from ._functional import (
     BAG_MODES,
     bag_parts,
@@ -72,6 +72,7 @@ __all__ = [
     "segment_sum",
     "segments",
     "shards_over",
+    "sort_stable",
     "slab_weight",
     "sparse_bags",
     "sparse_rows",
