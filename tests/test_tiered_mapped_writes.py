@@ -98,3 +98,27 @@ def test_a_cache_writes_rows_back_in_place_while_the_mapping_takes_writes(tmp_pa
             assert f.mapped.scatters == 0 and cache.stats.relocated > 0 and not f.ordered
         values, state = cache.peek(torch.arange(200))
         assert torch.equal(values, expected[0]) and torch.equal(state, expected[1])
+
+
+@needs_cachestat
+@settings(max_examples=25, deadline=None)
+@given(st.sets(st.integers(0, 339), max_size=40), st.randoms(use_true_random=False))
+def test_rows_move_between_the_mapping_and_slots_as_records_do(tmp_path_factory, places, rnd):
+    """``RowFile.move_rows``: a cache's rows from the mapped records straight into their slots (and back), the same
+    values and state as the records' system-call reads and writes; unmapped, it does nothing and says so."""
+    with _cached_file(tmp_path_factory.mktemp("r"), spare=40) as f:
+        f.read(torch.tensor([0]))
+        places = torch.tensor(sorted(places, key=lambda _: rnd.random()), dtype=torch.int64)  # any order
+        slots = torch.randperm(60, generator=torch.Generator().manual_seed(rnd.randrange(99)))[: places.numel()]
+        values, state = torch.zeros((60, f.layout.dim)), torch.zeros((60, f.layout.state_width))
+        assert f.move_rows(places, slots, values, state, write=False)
+        want_v, want_s = f.layout.split(_by_system_calls(f, places))
+        assert torch.equal(values[slots], want_v) and torch.equal(state[slots], want_s)
+        values.add_(1.5), state.mul_(-2)
+        assert f.move_rows(places, slots, values, state, write=True)
+        got_v, got_s = f.layout.split(_by_system_calls(f, places))
+        assert torch.equal(got_v, values[slots]) and torch.equal(got_s, state[slots])
+        f.mapped.release()
+        f.mapped._next_check = float("inf")  # (not asked again here)
+        assert not f.move_rows(places, slots, values, state, write=False)
+        assert not f.move_rows(places, slots, values, state, write=True)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardvar.tiered._native as native_module
-from shardvar.tiered._native import fill_at, scatter_rows
+from shardvar.tiered._native import copy_rows, fill_at, scatter_rows
 from test_tiered_native import kernel  # noqa: F401 (a fixture: skips where no kernel can be had)
 
 DTYPES = [torch.uint8, torch.float32, torch.int64]
@@ -99,3 +99,19 @@ def test_fill_at_refuses_an_index_out_of_range_and_sets_nothing(kernel):  # noqa
     with pytest.raises(IndexError, match="index 4 is out of bounds"):
         fill_at(dst, torch.tensor([0, 4]), 7)
     assert not bool(dst.any())
+
+
+@settings(max_examples=60, deadline=None)
+@given(_case(), st.randoms(use_true_random=False))
+def test_copy_rows_from_chosen_source_rows_as_index_select_then_index_copy_(kernel, case, rnd):  # noqa: F811
+    dst, index, src = case
+    if src.shape[0] == 0:
+        return
+    source = torch.tensor([rnd.randrange(src.shape[0]) for _ in range(index.numel())], dtype=torch.int64)
+    expected = dst.clone().index_copy_(0, index, src.index_select(0, source))
+    copy_rows(dst, index, src, source)
+    assert torch.equal(dst, expected)
+    with pytest.raises(IndexError, match=f"index {src.shape[0]} is out of bounds for dimension 0 with size"):
+        copy_rows(dst, index[:1], src, torch.tensor([src.shape[0]])) if index.numel() else copy_rows(
+            dst, torch.tensor([0]), src, torch.tensor([src.shape[0]])
+        )

@@ -220,9 +220,10 @@ class RowCache:
             self._through_staging(slots[use], lambda a, b, out, p=pos[use], s=staged: _select(s.records, p[a:b], out))
             todo &= ~use
         rest = todo.nonzero().squeeze(1)
-        at, order = sort_stable(places[rest], self.layout.places)  # (a radix sort: torch's costs ~4x as much)
-        at = at.to(torch.int64)
-        self._through_staging(slots[rest[order]], lambda a, b, out: self.file.read_into(at[a:b], out))
+        if not self.file.move_rows(places[rest], slots[rest], self.values, self.state, write=False):  # (unmapped)
+            at, order = sort_stable(places[rest], self.layout.places)  # (a radix sort: torch's costs ~4x as much)
+            at = at.to(torch.int64)
+            self._through_staging(slots[rest[order]], lambda a, b, out: self.file.read_into(at[a:b], out))
         self.stats.prefetched += ids.numel() - rest.numel()
         scatter_rows(self.key.view(-1, 1), slots, ids.to(self.key.dtype).view(-1, 1))
         scatter_rows(self.home.view(-1, 1), slots, places.to(self.home.dtype).view(-1, 1))
@@ -288,24 +289,32 @@ class RowCache:
             scatter_rows(self.state, slots[a:b], state)
 
     def _write_back(self, slots: torch.Tensor, behind: bool = False) -> None:
-        """Write the rows at ``slots`` to their homes, in place order: on the write-behind thread where ``behind``
-        and they fit its area (the slots may be reused at once: their records were copied), else here."""
+        """Write the rows at ``slots`` to their homes: through the file's mapping where it takes writes (and not
+        ``behind``), else in place order, on the write-behind thread where ``behind`` and they fit its area (the
+        slots may be reused at once: their records were copied), else here."""
         if slots.numel() == 0:
             return
-        places, order = sort_stable(self.home[slots], self.layout.places)
-        places = places.to(torch.int64)
-        slots = slots[order]
-        ids = self.key[slots].to(torch.int64)
+        homes, ids = self.home[slots].to(torch.int64), self.key[slots].to(torch.int64)
+        if behind or not self.file.mapped.takes_writes:
+            self._write_records(slots, homes, behind)
+        else:
+            self.behind.wait()  # (a write still in flight goes first)
+            if not self.file.move_rows(homes, slots, self.values, self.state, write=True):
+                self._write_records(slots, homes, behind)
+        fill_at(self.dirty, slots, False)
+        for staged in self._staged:
+            staged.written.append(ids)
+        self.stats.written_back += slots.numel()
+
+    def _write_records(self, slots: torch.Tensor, homes: torch.Tensor, behind: bool) -> None:
+        places, order = sort_stable(homes, self.layout.places)
+        places, slots = places.to(torch.int64), slots[order]
         if not (behind and self.behind.start(places, lambda out: self._gather(slots, out))):
             self.behind.wait()
             for a in range(0, slots.numel(), self.staging.shape[0]):  # through the staging area
                 b = min(slots.numel(), a + self.staging.shape[0])
                 self._gather(slots[a:b], self.staging[: b - a])
                 self.file.write_from(places[a:b], self.staging[: b - a])
-        fill_at(self.dirty, slots, False)
-        for staged in self._staged:
-            staged.written.append(ids)
-        self.stats.written_back += slots.numel()
 
     def _gather(self, slots: torch.Tensor, records: torch.Tensor) -> None:
         values, state = self.layout.split(records)

@@ -263,6 +263,27 @@ class RowFile:
         self._transfer(raw, self._check_buffer(records, raw.size, "records"), write=True)
         self.bytes_written += records.numel()
 
+    def move_rows(self, places: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, state: torch.Tensor, *,
+                  write: bool) -> bool:  # fmt: skip
+        """``values[slots[i]]`` and ``state[slots[i]]`` from the record at ``places[i]`` (int64, distinct, any order),
+        or into it (``write``), if the mapping takes reads (writes) now: a row copy each, no staging; False (nothing
+        done) where it does not."""
+        self._check_ids(places)
+
+        def move(view: torch.Tensor) -> None:
+            for field, rows in zip(self.layout.split(view), (values, state), strict=True):
+                if write:
+                    _native.copy_rows(field, places, rows, slots)
+                else:
+                    _native.copy_rows(rows, slots, field, places)
+
+        if not self.mapped.move(places, move, write):
+            return False
+        size = places.numel() * self.layout.record_bytes
+        self.bytes_written += size if write else 0
+        self.bytes_read += 0 if write else size
+        return True
+
     def read_owners(self, places: torch.Tensor) -> torch.Tensor:
         """The row each record of ascending ``places`` holds (-1: none), as written by ``write_owners``."""
         raw = self._check_ids(places)

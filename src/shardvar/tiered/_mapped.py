@@ -108,16 +108,21 @@ class MappedRecords:
     def read(self, ids: torch.Tensor, out: torch.Tensor) -> bool:
         """Copy the records of ``ids`` (int64, in range) into ``out`` if reads go through the mapping now; False
         (nothing done) where they do not: the caller reads them with system calls."""
-        if not self.enabled or (self._view is None and not self._check()):
-            return False
-        return self._through(ids, lambda view: torch.index_select(view, 0, ids, out=out), write=False)
+        return self.move(ids, lambda view: torch.index_select(view, 0, ids, out=out), write=False)
 
     def write(self, ids: torch.Tensor, records: torch.Tensor) -> bool:
         """Copy ``records`` (one per distinct id of ``ids``, int64, in range) into the file's records if the mapping
         takes writes now; False (nothing done) where it does not: the caller writes them with system calls."""
-        if not self.takes_writes:
+        return self.move(ids, lambda view: scatter_rows(view, ids, records), write=True)
+
+    def move(self, ids: torch.Tensor, move: Callable[[torch.Tensor], object], write: bool) -> bool:
+        """``move(view)`` (``[records, record_bytes]`` uint8 over the mapping), which reads the records of ``ids``
+        only (or writes them: ``write``), if the mapping takes reads (writes) now; False (nothing done) if not."""
+        if write and not self.takes_writes:
             return False
-        return self._through(ids, lambda view: scatter_rows(view, ids, records), write=True)
+        if not write and (not self.enabled or (self._view is None and not self._check())):
+            return False
+        return self._through(ids, move, write)
 
     def _through(self, ids: torch.Tensor, move: Callable[[torch.Tensor], object], write: bool) -> bool:
         with self._lock:

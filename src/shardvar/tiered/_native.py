@@ -28,7 +28,7 @@ import torch
 
 from .. import _native
 
-__all__ = ["Kernel", "fill_at", "kernel", "scatter_rows", "short_transfer"]
+__all__ = ["Kernel", "copy_rows", "fill_at", "kernel", "scatter_rows", "short_transfer"]
 
 SOURCE = Path(__file__).with_name("_native_io.c")
 _ABI = 3  # sv_abi_version() of the source this module calls
@@ -72,15 +72,17 @@ class Kernel:
         if bad:
             raise IndexError(f"index {int(index[bad - 1])} is out of bounds for dimension 0 with size {dst.numel()}")
 
-    def scatter_rows(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst[index[i]] = src[i]`` (see ``scatter_rows``; the tensors qualified)."""
+    def copy_rows(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor, source: torch.Tensor | None) -> None:
+        """``dst[index[i]] = src[source[i]]`` (``source`` None: ``src[i]``; the tensors qualified: ``copy_rows``)."""
         size = dst.element_size()
         to = (dst.data_ptr(), dst.stride(0) * size, dst.shape[0], index.data_ptr())
-        bad = self._copy(
-            *to, src.data_ptr(), src.stride(0) * size, src.shape[0], None, index.numel(), dst.shape[1] * size
-        )
+        at = None if source is None else source.data_ptr()
+        bad = self._copy(*to, src.data_ptr(), src.stride(0) * size, src.shape[0], at, len(index), dst.shape[1] * size)
         if bad:
-            raise IndexError(f"index {int(index[bad - 1])} is out of bounds for dimension 0 with size {dst.shape[0]}")
+            i = bad - 1
+            if not 0 <= int(index[i]) < dst.shape[0]:
+                raise IndexError(f"index {int(index[i])} is out of bounds for dimension 0 with size {dst.shape[0]}")
+            raise IndexError(f"index {int(source[i])} is out of bounds for dimension 0 with size {src.shape[0]}")
 
     def transfer(
         self,
@@ -127,19 +129,31 @@ def scatter_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> N
     """``dst.index_copy_(0, index, src)`` for 2-D ``dst`` and ``src`` of one dtype and width (``index`` of any integer
     dtype): by the kernel where it can take them (plain CPU tensors, rows of unit stride, an int64 ``index``, no
     autograd), else by torch."""
-    fast = kernel() if _qualifies(dst, index, src) else None
-    if fast is None:
+    copy_rows(dst, index, src, None)
+
+
+def copy_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor, source: torch.Tensor | None) -> None:
+    """``dst[index] = src[source]`` (``source`` None: ``src``) for 2-D ``dst`` and ``src`` of one dtype and width,
+    ``index`` and ``source`` of any integer dtype, distinct ``index``: by the kernel where it can take them (as
+    ``scatter_rows``), else by torch. Rows of a mapped file and a cache's slots, with no copy in between."""
+    n = index.numel()
+    fast = kernel() if _qualifies(dst, index, src, source, n) else None
+    if fast is not None:
+        fast.copy_rows(dst, index, src, source)
+    elif source is None:
         dst.index_copy_(0, index.to(torch.int64), src)
     else:
-        fast.scatter_rows(dst, index, src)
+        dst.index_copy_(0, index.to(torch.int64), src.index_select(0, source.to(torch.int64)))
 
 
-def _qualifies(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> bool:
+def _qualifies(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor, source: torch.Tensor | None, n: int) -> bool:
     if not _native.on_cpu_memory(dst, index, src) or dst.requires_grad or src.requires_grad:
         return False
-    if dst.dim() != 2 or src.dim() != 2 or index.dim() != 1 or dst.dtype != src.dtype:
+    if dst.dim() != 2 or src.dim() != 2 or dst.dtype != src.dtype or dst.shape[1] != src.shape[1]:
         return False
-    if index.dtype != torch.int64 or not index.is_contiguous() or src.shape != (index.numel(), dst.shape[1]):
+    if any(i.dim() != 1 or i.dtype != torch.int64 or not i.is_contiguous() for i in (index, source) if i is not None):
+        return False
+    if (source is None and src.shape[0] != n) or (source is not None and source.numel() != n):
         return False
     return dst.stride(1) == 1 and src.stride(1) == 1 and dst.shape[1] > 0
 
