@@ -34,7 +34,8 @@ from .._validate import check_bool, check_choice, check_int
 from ._behind import WriteBehind
 from ._file import RowFile
 from ._log import RecordLog
-from ._slots import slot_index, victims
+from ._lookup import look_up
+from ._slots import slot_index
 from ._transit import CacheStats, Staged
 
 __all__ = ["RowCache", "CacheStats", "POLICIES", "STAGING_ROWS"]
@@ -157,28 +158,9 @@ class RowCache:
             return self._resolve(flat, step, step if protect_since is None else protect_since).view(ids.shape)
 
     def _resolve(self, ids: torch.Tensor, step: int, protect_since: int) -> torch.Tensor:
-        # Every id is looked up (a gather), and only the misses are made distinct: a sort of the
-        # batch's few misses where one of the whole batch would cost more than the rest of the step.
-        slot = self.index.find(ids)  # (checked in range by the caller)
-        missed = slot < 0
-        new_ids, inverse = torch.unique(ids[missed], return_inverse=True)
-        hits = slot[~missed]  # repeats included: the updates below write each slot's one value
-        if new_ids.numel():  # a miss may be a row the last eviction is still writing (raises if that failed)
-            self.behind.wait()
-        short = new_ids.numel() - self.free.numel()
-        chosen = None
-        if short > 0:  # room is made from rows used before ``protect_since``, none of this batch's
-            used = self.used.clone()
-            used[hits] = step
-            used[self.free] = step
-            if short > int((used < protect_since).sum()):
-                self._refuse(ids, protect_since)
-            chosen = victims(self.policy, used, self.count, short, protect_since)
-        self.step = step  # checked: from here on the cache changes
-        self.used.index_fill_(0, hits, step)  # (repeats write the same step)
-        if self.count.numel():  # a use per distinct slot
-            self.count += torch.zeros(self.capacity, dtype=torch.bool).index_fill_(0, hits, True)
-        self.stats.hits += int((self.used == step).sum())  # no slot had this step before: this batch's hits
+        slot, missed, new_ids, inverse, hits, chosen = look_up(self, ids, step, protect_since)  # (or refused)
+        self.step = step  # taken: from here on the cache changes
+        self.stats.hits += hits
         if new_ids.numel() == 0:
             return slot
         if chosen is not None:
