@@ -16,10 +16,10 @@
 #include <string.h>
 
 #define BITS 16
-#define BINS ((int64_t)1 << BITS)
+#define BINS ((int64_t)1 << BITS) /* the most bins of a pass */
 #define AHEAD 16 /* ids ahead whose map entry is fetched early: the map is far larger than the caches */
 
-int sv_slots_abi_version(void) { return 1; }
+int sv_slots_abi_version(void) { return 3; }
 
 /* Per id its map entry into slot (int64); the positions and ids of misses (negative entries) into
  * missed and missed_ids, ascending; each distinct held slot's used set to step, that slot and its
@@ -64,9 +64,9 @@ bad:
     return -1;
 }
 
-/* Calls EACH with v (int64_t) and i (the position) for every position of values, in ascending
+/* Runs its statements with v (int64_t) and i (the position) for every position of values, in ascending
  * order, v being masked at the positions of skip (ascending, distinct, below n). */
-#define SCAN(T, EACH)                                                                              \
+#define SCAN(T, ...)                                                                               \
     do {                                                                                           \
         const T *vals = (const T *)values;                                                         \
         int64_t i = 0;                                                                             \
@@ -74,46 +74,118 @@ bad:
             int64_t end = f < nskip ? skip[f] : n;                                                 \
             for (; i < end; i++) {                                                                 \
                 int64_t v = vals[i];                                                               \
-                EACH;                                                                              \
+                __VA_ARGS__;                                                                       \
             }                                                                                      \
             if (f < nskip) {                                                                       \
                 int64_t v = masked;                                                                \
-                EACH;                                                                              \
+                __VA_ARGS__;                                                                       \
                 i++;                                                                               \
             }                                                                                      \
         }                                                                                          \
+    } while (0)
+
+#define TOP(T) ((T)(sizeof(T) == 4 ? INT32_MAX : INT64_MAX))
+#define BOTTOM(T) ((T)(sizeof(T) == 4 ? INT32_MIN : INT64_MIN))
+#define BLOCK 16 /* values tested at once by the collecting pass */
+
+/* Takes position i of value x where x is below lo, or one of the first need equal to it. */
+#define TAKE(x, i)                                                                                 \
+    do {                                                                                           \
+        int64_t x_ = (x);                                                                          \
+        if (x_ <= lo && (x_ < lo || need-- > 0)) {                                                 \
+            out[taken++] = (i);                                                                    \
+            if (taken == k)                                                                        \
+                return below;                                                                      \
+        }                                                                                          \
+    } while (0)
+
+/* Takes the positions TAKE takes, in ascending order; a block of values none of which is at most
+ * top (lo within T: no false negative) is passed over after one vectorised test. */
+#define COLLECT(T)                                                                                 \
+    do {                                                                                           \
+        const T *vals = (const T *)values;                                                         \
+        T top = lo > (int64_t)TOP(T) ? TOP(T) : lo < (int64_t)BOTTOM(T) ? BOTTOM(T) : (T)lo;       \
+        int64_t i = 0;                                                                             \
+        for (int64_t f = 0; f <= nskip; f++) {                                                     \
+            int64_t end = f < nskip ? skip[f] : n;                                                 \
+            while (i < end) {                                                                      \
+                if (i + BLOCK <= end) {                                                            \
+                    int any = 0;                                                                   \
+                    for (int j = 0; j < BLOCK; j++)                                                \
+                        any |= vals[i + j] <= top;                                                 \
+                    if (!any) {                                                                    \
+                        i += BLOCK;                                                                \
+                        continue;                                                                  \
+                    }                                                                              \
+                }                                                                                  \
+                for (int64_t stop = i + BLOCK < end ? i + BLOCK : end; i < stop; i++)              \
+                    TAKE(vals[i], i);                                                              \
+            }                                                                                      \
+            if (f < nskip) {                                                                       \
+                TAKE(masked, i);                                                                   \
+                i++;                                                                               \
+            }                                                                                      \
+        }                                                                                          \
+    } while (0)
+
+/* Counts each value of [lo, hi] in its bin ((v - lo) >> shift) of hist, those below lo in bin bins,
+ * those above hi in bin bins + 1: two copies of the bins (even and odd positions), summed into the
+ * first, since a run of equal steps would otherwise wait on one counter. */
+#define COUNT(T)                                                                                   \
+    do {                                                                                           \
+        memset(hist, 0, (size_t)(2 * (bins + 2)) * sizeof(int64_t));                              \
+        SCAN(T, hist[((i & 1) ? bins + 2 : 0) +                                                    \
+                     (v < lo ? bins : v > hi ? bins + 1 : (int64_t)((uint64_t)(v - lo) >> shift))]++); \
+        for (int64_t b = 0; b < bins + 2; b++)                                                     \
+            hist[b] += hist[bins + 2 + b];                                                         \
     } while (0)
 
 /* One function per value type: the loops read the values directly. */
 #define SMALLEST(NAME, T)                                                                          \
     static int64_t NAME(const void *values, int64_t n, const int32_t *skip, int64_t nskip,         \
                         int64_t masked, int64_t above, int64_t k, int64_t *out, int64_t *hist) {   \
-        int64_t below = 0, lo = INT64_MAX, hi = INT64_MIN;                                         \
-        SCAN(T, if (v < above) { below++; lo = v < lo ? v : lo; hi = v > hi ? v : hi; });          \
+        /* first the values just below above (a cache's recent steps: all of them, as a rule) */   \
+        int64_t window = above < 1 ? 1 : above < BINS ? above : BINS;                              \
+        int64_t lo = above - window, hi = above - 1, bins = window, need = k, below;                \
+        int shift = 0;                                                                             \
+        COUNT(T);                                                                                  \
+        below = hist[bins];                                                                        \
+        for (int64_t b = 0; b < bins; b++)                                                         \
+            below += hist[b];                                                                      \
         if (below < k || k <= 0)                                                                   \
             return below;                                                                          \
-        /* the k-th smallest: narrow [lo, hi] to one value, BITS of its span a pass */             \
-        int64_t need = k;                                                                          \
-        for (;;) {                                                                                 \
+        int counted = 1; /* hist holds [lo, hi]'s counts */                                       \
+        if (hist[bins] >= need) { /* the k-th smallest is older: narrow from the oldest */         \
+            hi = lo - 1, lo = INT64_MAX, counted = 0;                                              \
+            SCAN(T, int64_t l = v <= hi ? v : INT64_MAX; lo = l < lo ? l : lo);                    \
+        } else {                                                                                   \
+            need -= hist[bins];                                                                    \
+        }                                                                                          \
+        /* the k-th smallest: narrow [lo, hi] to one value, BITS of its span a pass (the values    \
+           below lo are counted out of need already) */                                            \
+        for (;; counted = 0) {                                                                     \
             uint64_t span = (uint64_t)hi - (uint64_t)lo;                                           \
-            int shift = 0;                                                                         \
+            shift = 0;                                                                             \
             while ((span >> shift) >= (uint64_t)BINS)                                              \
                 shift += BITS;                                                                     \
-            int64_t bins = (int64_t)(span >> shift) + 1;                                           \
-            memset(hist, 0, (size_t)bins * sizeof(int64_t));                                       \
-            SCAN(T, if (v >= lo && v <= hi) hist[(uint64_t)(v - lo) >> shift]++);                  \
+            if (!counted) {                                                                        \
+                bins = (int64_t)(span >> shift) + 1;                                               \
+                COUNT(T);                                                                          \
+            }                                                                                      \
             int64_t digit = 0;                                                                     \
             while (hist[digit] < need)                                                             \
                 need -= hist[digit++];                                                             \
             lo += (int64_t)((uint64_t)digit << shift);                                             \
             if (shift == 0)                                                                        \
                 break;                                                                             \
-            uint64_t top = (uint64_t)lo + (((uint64_t)1 << shift) - 1);                            \
-            hi = top < (uint64_t)hi ? (int64_t)top : hi;                                           \
+            uint64_t room = ((uint64_t)1 << shift) - 1; /* the digit's values: [lo, lo + room] */  \
+            if ((uint64_t)hi - (uint64_t)lo > room)                                                \
+                hi = (int64_t)((uint64_t)lo + room);                                               \
         }                                                                                          \
-        /* lo is the k-th smallest; need: how many of the values equal to it are taken */          \
+        /* lo is the k-th smallest; need: how many of the values equal to it are taken. The few    \
+           taken are found a block at a time (a vectorised test), then one by one */               \
         int64_t taken = 0;                                                                         \
-        SCAN(T, if (v < lo || (v == lo && need-- > 0)) { out[taken++] = i; if (taken == k) return below; }); \
+        COLLECT(T);                                                                                \
         return below;                                                                              \
     }
 
@@ -122,7 +194,7 @@ SMALLEST(smallest64, int64_t)
 
 /* The k positions (ascending) of least value below above, ties to the lower position, into out;
  * the value of a position is values[i] (int32, or int64 where wide), or masked at the positions of
- * skip (ascending, distinct). hist: BINS counts of scratch. Returns how many values are below
+ * skip (ascending, distinct). hist: 2 * (BINS + 2) counts of scratch. Returns how many values are below
  * above: where fewer than k, out is left as it was; -1 where skip is not ascending within n. */
 int64_t sv_smallest(const void *values, int wide, int64_t n, const int32_t *skip, int64_t nskip, int64_t masked,
                     int64_t above, int64_t k, int64_t *out, int64_t *hist) {

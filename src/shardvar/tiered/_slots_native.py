@@ -25,9 +25,9 @@ from .. import _native
 __all__ = ["Kernel", "Looked", "kernel"]
 
 SOURCE = Path(__file__).with_name("_native_slots.c")
-_ABI = 1  # sv_slots_abi_version() of the source this module calls
+_ABI = 3  # sv_slots_abi_version() of the source this module calls
 FLAGS = ("-O3",)
-_BINS = 1 << 16  # the kernel's counts per pass of its select (BINS)
+_BINS = 2 * ((1 << 16) + 2)  # the kernel's counts per pass of its select: 2 * (BINS + 2)
 _lock = threading.Lock()
 _loaded: dict[str, Kernel | None] = {}
 c = ctypes
