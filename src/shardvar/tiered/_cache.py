@@ -4,7 +4,8 @@ The cache holds ``capacity`` rows as one ``[capacity, dim]`` tensor (``values``:
 lookup runs on, ids mapped to slots) and their state (``state``), with per slot the id held, the
 step it was last used, how often, and whether it changed since it was read (``dirty``). Which
 slot holds an id, and which rows leave when room is needed (an LRU or LFU policy, ties to the lower
-slot), is ``_slots``' bookkeeping: a gather and a scatter per step, and a linear radix select.
+slot), is ``_slots``' bookkeeping: a gather and a scatter per step, and a linear radix select
+(``_lookup`` runs it through native kernels where it can).
 
 ``resolve`` brings a batch's ids in: hits are marked used first, so they are never the ones
 evicted for the batch's misses; the victims' changed records are copied out before their slots
