@@ -10,6 +10,7 @@ batches that do not fit, a direct map of int64). Without the kernels the torch p
 from __future__ import annotations
 
 import contextlib
+import copy
 import tempfile
 from pathlib import Path
 from unittest import mock
@@ -75,10 +76,10 @@ def test_the_native_select_is_what_sorting_gives(kernel, values, spread, wide, d
     assert chosen.tolist() == expected and chosen.dtype == torch.int64
     assert torch.equal(t, before)  # nothing copied, nothing changed
     if 0 < k <= len(eligible):  # the same through ``smallest`` (the caller's copy holds the skipped values)
-        copy = torch.tensor(seen, dtype=t.dtype)
+        priority = torch.tensor(seen, dtype=t.dtype)
         with _torch_path():
-            assert smallest(copy.clone(), k, above).tolist() == expected
-        assert smallest(copy, k, above).tolist() == expected
+            assert smallest(priority.clone(), k, above).tolist() == expected
+        assert smallest(priority, k, above).tolist() == expected
 
 
 def test_the_native_select_refuses_skipped_positions_out_of_order(kernel):
@@ -135,7 +136,7 @@ def _file(folder: Path, name: str, rows: int, spare: int) -> RowFile:
 
 def _state(cache: RowCache) -> list:
     tensors = (cache.values, cache.key, cache.used, cache.dirty, cache.home, cache.free, cache.index.table)
-    return [*(t.clone() for t in tensors), cache.step, cache.stats]
+    return [*(t.clone() for t in tensors), cache.step, copy.copy(cache.stats)]
 
 
 @settings(max_examples=40, deadline=None)
@@ -185,6 +186,20 @@ def test_a_cache_through_the_kernels_equals_one_through_torch(kernel, rows, capa
             for cache, f in zip(caches, files, strict=True):
                 cache.close()
                 f.close()
+
+
+def test_a_failed_write_back_leaves_the_steps_as_they_were(kernel, tmp_path):
+    """The native look-up marks the hits as it finds them: a write-back that failed (raised when the batch
+    waits for it) puts them back, as the torch path never changed them."""
+    with _file(tmp_path, "t", 64, 0) as f, mock.patch.object(cache_module, "slot_index", DirectSlots):
+        cache = RowCache(f, 4)
+        cache.resolve(torch.tensor([1, 2, 3]))
+        before = _state(cache)
+        with mock.patch.object(cache.behind, "wait", side_effect=OSError("the disk is gone")), \
+                pytest.raises(OSError, match="the disk is gone"):  # fmt: skip
+            cache.resolve(torch.tensor([1, 2, 9]))
+        assert _equal(before, _state(cache))
+        cache.close()
 
 
 def _equal(a, b) -> bool:

@@ -12,7 +12,7 @@ batch, or any error before the batch is taken, puts their old steps back.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 
@@ -58,7 +58,7 @@ def look_up(cache: RowCache, ids: torch.Tensor, step: int, protect_since: int) -
 
 def _native(
     cache: RowCache, kernel: _slots_native.Kernel, looked: _slots_native.Looked, step: int, protect_since: int
-) -> Found | str:
+) -> Found | Literal["refused", "torch"]:
     """The rest of the native path, the hits marked (``looked``): the batch taken, else ``"refused"``, or
     ``"torch"`` where the select does not take the cache's free slots."""
     new_ids, inverse = torch.unique(looked.missed_ids, return_inverse=True)
