@@ -4,7 +4,8 @@ The cache holds ``capacity`` rows as one ``[capacity, dim]`` tensor (``values``:
 lookup runs on, ids mapped to slots) and their state (``state``), with per slot the id held, the
 step it was last used, how often, and whether it changed since it was read (``dirty``). Which
 slot holds an id, and which rows leave when room is needed (an LRU or LFU policy, ties to the lower
-slot), is ``_slots``' bookkeeping: a gather and a scatter per step, and a linear radix select.
+slot), is ``_slots``' bookkeeping: a gather and a scatter per step, and a linear radix select
+(``_lookup`` runs it through native kernels where it can).
 
 ``resolve`` brings a batch's ids in: hits are marked used first, so they are never the ones
 evicted for the batch's misses; the victims' changed records are copied out before their slots
@@ -37,8 +38,9 @@ from ..variables import sort_stable
 from ._behind import WriteBehind
 from ._file import RowFile
 from ._log import RecordLog
+from ._lookup import look_up
 from ._native import fill_at, scatter_rows
-from ._slots import slot_index, victims
+from ._slots import slot_index
 from ._transit import CacheStats, Staged, read_ahead
 
 __all__ = ["RowCache", "CacheStats", "POLICIES", "STAGING_ROWS"]
@@ -161,28 +163,9 @@ class RowCache:
             return self._resolve(flat, step, step if protect_since is None else protect_since).view(ids.shape)
 
     def _resolve(self, ids: torch.Tensor, step: int, protect_since: int) -> torch.Tensor:
-        # Every id is looked up (a gather), and only the misses are made distinct: a sort of the
-        # batch's few misses where one of the whole batch would cost more than the rest of the step.
-        slot = self.index.find(ids)  # (checked in range by the caller)
-        missed = slot < 0
-        new_ids, inverse = torch.unique(ids[missed], return_inverse=True)
-        hits = slot[~missed]  # repeats included: the updates below write each slot's one value
-        if new_ids.numel():  # a miss may be a row the last eviction is still writing (raises if that failed)
-            self.behind.wait()
-        short = new_ids.numel() - self.free.numel()
-        chosen = None
-        if short > 0:  # room is made from rows used before ``protect_since``, none of this batch's
-            used = self.used.clone()
-            used[hits] = step
-            used[self.free] = step
-            if short > int((used < protect_since).sum()):
-                self._refuse(ids, protect_since)
-            chosen = victims(self.policy, used, self.count, short, protect_since)
-        self.step = step  # checked: from here on the cache changes
-        self.used.index_fill_(0, hits, step)  # (repeats write the same step)
-        if self.count.numel():  # a use per distinct slot
-            self.count += torch.zeros(self.capacity, dtype=torch.bool).index_fill_(0, hits, True)
-        self.stats.hits += int((self.used == step).sum())  # no slot had this step before: this batch's hits
+        slot, missed, new_ids, inverse, hits, chosen = look_up(self, ids, step, protect_since)  # (or refused)
+        self.step = step  # taken: from here on the cache changes
+        self.stats.hits += hits
         if new_ids.numel() == 0:
             return slot
         if chosen is not None:

@@ -16,7 +16,8 @@ linear: no probing loop, no sort of the slots.
   ``cache_bytes`` (it holds no row), and the direct map is several times faster.
 * :func:`smallest` finds the ``k`` slots of least priority (ties: lower slot) by a radix select
   over ``torch.bincount`` (16 bits a pass, one pass when priorities span fewer than 65536
-  values, as steps do), where a sort of the slots would cost ten times as much per step.
+  values, as steps do), where a sort of the slots would cost ten times as much per step. The
+  native select (``_slots_native``) gives the same positions in three passes and no copy.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..dynamic import HashIndex, mix64
+from . import _slots_native
 
 __all__ = ["DirectSlots", "HashedSlots", "keeps_places", "slot_index", "smallest", "victims"]
 
@@ -138,6 +140,10 @@ def smallest(priority: torch.Tensor, k: int, above: int) -> torch.Tensor:
     chosen, and at least ``k`` are below it (the caller checked, so the ``k``-th smallest is below it too)."""
     if k <= 0:
         return torch.empty(0, dtype=torch.int64)
+    kernel = _slots_native.kernel()
+    picked = kernel.smallest(priority, k, above) if kernel is not None else None
+    if picked is not None:
+        return picked[1]
     threshold, need, tied = _kth(priority, k)
     if tied > _SLICE:  # slots may tie by the million (rows read in one step): no table-sized arrays of them
         below = (priority < threshold).nonzero().squeeze(1)
