@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardvar.tiered._native as native_module
-from shardvar.tiered._native import copy_rows, fill_at, scatter_rows
+from shardvar.tiered._native import copy_rows, fill_at, move_fields, scatter_rows
 from test_tiered_native import kernel  # noqa: F401 (a fixture: skips where no kernel can be had)
 
 DTYPES = [torch.uint8, torch.float32, torch.int64]
@@ -115,3 +115,43 @@ def test_copy_rows_from_chosen_source_rows_as_index_select_then_index_copy_(kern
         copy_rows(dst, index[:1], src, torch.tensor([src.shape[0]])) if index.numel() else copy_rows(
             dst, torch.tensor([0]), src, torch.tensor([src.shape[0]])
         )
+
+
+def _records_and_slots(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    records = torch.randint(0, 255, (30, 24), dtype=torch.uint8, generator=g)  # 4 float32 values, a float32 at 16
+    values, state = torch.randn((12, 4), generator=g), torch.randn((12, 1), generator=g)
+    places, slots = torch.randperm(30, generator=g)[:9], torch.randperm(12, generator=g)[:9]
+    return records, values, state, places, slots
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**16), st.booleans())
+def test_move_fields_moves_each_field_as_copy_rows_does(kernel, seed, write):  # noqa: F811
+    """One pass of the kernel and a ``copy_rows`` a field (the fallback) move the same bytes, both ways."""
+    results = []
+    for native in (True, False):
+        records, values, state, places, slots = _records_and_slots(seed)
+        with pytest.MonkeyPatch.context() as m:
+            if not native:
+                m.setattr(native_module, "kernel", lambda: None)
+            move_fields(records, places, slots, [(values, 0), (state, 16)], write=write)
+        results.append((records, values, state))
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    records, values, state, places, slots = _records_and_slots(seed)
+    if write:
+        move_fields(records, places, slots, [(values, 0), (state, 16)], write=True)
+        assert torch.equal(records[places, :16].view(torch.float32), values[slots])
+    else:
+        move_fields(records, places, slots, [(values, 0), (state, 16)], write=False)
+        assert torch.equal(state[slots], records[places, 16:20].view(torch.float32))
+
+
+def test_move_fields_refuses_a_place_or_slot_out_of_range_and_moves_nothing(kernel):  # noqa: F811
+    records, values, _, places, slots = _records_and_slots(1)
+    before = (records.clone(), values.clone())
+    with pytest.raises(IndexError, match="record 30 is out of bounds"):
+        move_fields(records, torch.cat([places[:3], torch.tensor([30])]), slots[:4], [(values, 0)], write=True)
+    with pytest.raises(IndexError, match="index 12 is out of bounds"):
+        move_fields(records, places[:2], torch.tensor([0, 12]), [(values, 0)], write=False)
+    assert torch.equal(records, before[0]) and torch.equal(values, before[1])

@@ -271,11 +271,8 @@ class RowFile:
         self._check_ids(places)
 
         def move(view: torch.Tensor) -> None:
-            for field, rows in zip(self.layout.split(view), (values, state), strict=True):
-                if write:
-                    _native.copy_rows(field, places, rows, slots)
-                else:
-                    _native.copy_rows(rows, slots, field, places)
+            fields = [(values, 0), (state, self.layout.state_offset)]
+            _native.move_fields(view, places, slots, fields, write=write)
 
         if not self.mapped.move(places, move, write):
             return False

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 
+from ..variables import distinct
 from . import _slots_native
 from ._slots import DirectSlots, victims
 
@@ -61,7 +62,8 @@ def _native(
 ) -> Found | Literal["refused", "torch"]:
     """The rest of the native path, the hits marked (``looked``): the batch taken, else ``"refused"``, or
     ``"torch"`` where the select does not take the cache's free slots."""
-    new_ids, inverse = torch.unique(looked.missed_ids, return_inverse=True)
+    found = distinct(looked.missed_ids, cache.layout.rows)  # (a radix sort: torch.unique costs ~3x as much)
+    new_ids, inverse = found.ids, found.inverse
     if new_ids.numel():  # a miss may be a row the last eviction is still writing (raises if that failed)
         cache.behind.wait()
     short = new_ids.numel() - cache.free.numel()

@@ -28,10 +28,10 @@ import torch
 
 from .. import _native
 
-__all__ = ["Kernel", "copy_rows", "fill_at", "kernel", "scatter_rows", "short_transfer"]
+__all__ = ["Kernel", "copy_rows", "fill_at", "kernel", "move_fields", "scatter_rows", "short_transfer"]
 
 SOURCE = Path(__file__).with_name("_native_io.c")
-_ABI = 3  # sv_abi_version() of the source this module calls
+_ABI = 4  # sv_abi_version() of the source this module calls
 _SHORT = -1  # sv_transfer's code for a read at the end of the file (or a write of nothing)
 _lock = threading.Lock()
 _loaded: dict[str, Kernel | None] = {}  # "kernel": this process's answer, once
@@ -62,6 +62,28 @@ class Kernel:
         fill.argtypes = (c.c_void_p, c.c_int64, c.c_int64, c.c_void_p, c.c_int64, c.c_void_p)
         fill.restype = c.c_int64
         self._fill = fill
+        move = library.sv_move_fields
+        move.argtypes = (c.c_void_p, c.c_int64, c.c_int64, c.c_void_p, c.c_int64, c.c_void_p, c.c_int64, c.c_int64,
+                         c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int)  # fmt: skip
+        move.restype = c.c_int64
+        self._move = move
+
+    def move_fields(self, records: torch.Tensor, places: torch.Tensor, slots: torch.Tensor,
+                    fields: list[tuple[torch.Tensor, int]], write: bool) -> None:  # fmt: skip
+        """See ``move_fields`` (the tensors qualified)."""
+        c, k = ctypes, len(fields)
+        base = (c.c_void_p * k)(*(t.data_ptr() for t, _ in fields))
+        stride = (c.c_int64 * k)(*(t.stride(0) * t.element_size() for t, _ in fields))
+        offset = (c.c_int64 * k)(*(at for _, at in fields))
+        width = (c.c_int64 * k)(*(t.shape[1] * t.element_size() for t, _ in fields))
+        slots_n = fields[0][0].shape[0]
+        bad = self._move(records.data_ptr(), records.stride(0), records.shape[0], places.data_ptr(), places.numel(),
+                         slots.data_ptr(), slots_n, k, base, stride, offset, width, int(write))  # fmt: skip
+        if bad:
+            i = bad - 1
+            if not 0 <= int(places[i]) < records.shape[0]:
+                raise IndexError(f"record {int(places[i])} is out of bounds for {records.shape[0]} records")
+            raise IndexError(f"index {int(slots[i])} is out of bounds for dimension 0 with size {slots_n}")
 
     def fill_at(self, dst: torch.Tensor, index: torch.Tensor, value: float | int | bool) -> None:
         """``dst[index] = value`` (see ``fill_at``; the tensors qualified)."""
@@ -167,3 +189,33 @@ def fill_at(dst: torch.Tensor, index: torch.Tensor, value: float | int | bool) -
         dst.index_fill_(0, index.to(torch.int64), value)
     else:
         fast.fill_at(dst, index, value)
+
+
+Fields = list[tuple[torch.Tensor, int]]
+
+
+def move_fields(
+    records: torch.Tensor, places: torch.Tensor, slots: torch.Tensor, fields: Fields, *, write: bool
+) -> None:
+    """Between ``records`` (``[places, record_bytes]`` uint8, e.g. a mapped file) and the rows of ``fields``'s arrays
+    (``(array, byte offset in a record)``; 2-D, one row per slot): for each ``i``, row ``slots[i]`` of each array
+    from the bytes at its offset in record ``places[i]``, or into them (``write``; distinct ``places``). One pass
+    over the records, a ``memcpy`` a field, by the kernel where it can take them; else a ``copy_rows`` a field."""
+    arrays = [t for t, _ in fields]
+    fast = kernel() if _moves(records, places, slots, arrays) else None
+    if fast is not None:
+        fast.move_fields(records, places, slots, fields, write)
+        return
+    for array, at in fields:
+        size = array.shape[1] * array.element_size()
+        part = records[:, at : at + size].view(array.dtype)
+        copy_rows(part, places, array, slots) if write else copy_rows(array, slots, part, places)
+
+
+def _moves(records: torch.Tensor, places: torch.Tensor, slots: torch.Tensor, arrays: list[torch.Tensor]) -> bool:
+    if not arrays or not _native.on_cpu_memory(records, places, slots, *arrays) or records.dtype != torch.uint8:
+        return False
+    if any(t.requires_grad or t.dim() != 2 or t.stride(1) != 1 or t.shape[0] != arrays[0].shape[0] for t in arrays):
+        return False
+    ok = all(i.dim() == 1 and i.dtype == torch.int64 and i.is_contiguous() for i in (places, slots))
+    return ok and places.numel() == slots.numel() and records.dim() == 2 and records.stride(1) == 1

@@ -12,7 +12,9 @@
  *
  * sv_copy_rows copies rows between two row-major arrays by index: a cache's slots and a mapping of the
  * file (or its staging area), a memcpy a row where torch's index_copy_ moves one element at a time;
- * sv_fill_at sets the elements at a batch's indices (index_fill_ costs ~7 ns an index on a cache's flags).
+ * sv_fill_at sets the elements at a batch's indices (index_fill_ costs ~7 ns an index on a cache's flags);
+ * sv_move_fields moves a row's fields (its values and its state, in arrays of their own) between its slot
+ * and its record in one pass, where a pass per field walks the mapping's pages (and their TLB misses) twice.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -47,7 +49,7 @@ typedef struct {
     pthread_mutex_t lock;
 } job;
 
-int sv_abi_version(void) { return 3; }
+int sv_abi_version(void) { return 4; }
 
 /* Move all of one piece, blocking; EINTR is retried, a short call continued. */
 static int whole(int fd, int write, int64_t offset, uint8_t *data, int64_t length, int64_t *at) {
@@ -214,6 +216,32 @@ int64_t sv_fill_at(uint8_t *dst, int64_t size, int64_t length, const int64_t *in
     } else {
         for (int64_t i = 0; i < n; i++)
             memcpy(dst + index[i] * size, value, (size_t)size);
+    }
+    return 0;
+}
+
+/* For i < n, the fields f < nfields of record place[i] (record_stride bytes apart, width[f] bytes at offset[f])
+   and row slot[i] of array base[f] (stride[f] bytes apart): into the rows, or from them (write). Returns 0, or
+   1 + the first i whose place or slot is outside [0, places) or [0, slots): then nothing was moved. */
+int64_t sv_move_fields(uint8_t *records, int64_t record_stride, int64_t places, const int64_t *place, int64_t n,
+                       const int64_t *slot, int64_t slots, int64_t nfields, uint8_t *const *base,
+                       const int64_t *stride, const int64_t *offset, const int64_t *width, int write) {
+    for (int64_t i = 0; i < n; i++)
+        if (place[i] < 0 || place[i] >= places || slot[i] < 0 || slot[i] >= slots)
+            return i + 1;
+    for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) {
+            __builtin_prefetch(records + place[i + AHEAD] * record_stride);
+            __builtin_prefetch(base[0] + slot[i + AHEAD] * stride[0]);
+        }
+        uint8_t *record = records + place[i] * record_stride;
+        for (int64_t f = 0; f < nfields; f++) {
+            uint8_t *row = base[f] + slot[i] * stride[f];
+            if (write)
+                memcpy(record + offset[f], row, (size_t)width[f]);
+            else
+                memcpy(row, record + offset[f], (size_t)width[f]);
+        }
     }
     return 0;
 }

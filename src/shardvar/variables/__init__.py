@@ -8,7 +8,7 @@ from . import _functional as functional
 from ._autograd import SlabSplit, reading
 from ._bag_grad import Part, pools_rows, sparse_bags
 from ._create import create_partitioned_variables, shard_tensor, to_layout
-from ._distinct import segments, sort_stable, sparse_rows
+from ._distinct import distinct, segments, sort_stable, sparse_rows
 from ._functional import (
     BAG_MODES,
     bag_parts,
@@ -54,6 +54,7 @@ __all__ = [
     "check_weights",
     "checked",
     "deinterleave",
+    "distinct",
     "embedding_bag_rows",
     "embedding_rows",
     "gather_local",
