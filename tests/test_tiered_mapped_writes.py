@@ -37,18 +37,21 @@ def test_mapped_writes_equal_system_call_writes(tmp_path_factory, ids, fill):
         assert torch.equal(f.read(untouched), _by_system_calls(f, untouched))
 
 
-def test_a_file_with_a_hole_is_not_allocated(tmp_path):
-    """A write into a hole allocates a block in the page fault, where a full disk is a SIGBUS: never mapped to write."""
-    path = tmp_path / "sparse"
-    with open(path, "wb") as raw:
+def test_a_file_with_a_hole_is_not_allocated_and_a_reserved_one_is(tmp_path):
+    """A write into a hole allocates a block in the page fault, where a full disk is a SIGBUS: never mapped to write.
+    Blocks reserved by ``posix_fallocate`` and never written count as allocated (a created file's spare records)."""
+    sparse, reserved = tmp_path / "sparse", tmp_path / "reserved"
+    with open(sparse, "wb") as raw:
         raw.truncate(1 << 20)
-    fd = os.open(path, os.O_RDWR)
+    fds = [os.open(sparse, os.O_RDWR), os.open(reserved, os.O_RDWR | os.O_CREAT)]
     try:
-        assert not _allocated(fd, 0, 1 << 20)
-        os.pwrite(fd, b"\1" * (1 << 20), 0)
-        assert _allocated(fd, 0, 1 << 20)
+        os.posix_fallocate(fds[1], 0, 1 << 20)
+        assert not _allocated(fds[0]) and _allocated(fds[1])
+        os.pwrite(fds[0], b"\1" * (1 << 20), 0)
+        assert _allocated(fds[0])
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
 
 
 @needs_cachestat

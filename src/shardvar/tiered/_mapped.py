@@ -13,9 +13,9 @@ a gather that took major page faults means the file left the page cache: the map
 system-call reads take over again until the next check.
 
 Writes: while mapped, a record written back (``RowFile.write_from``) is a scatter into the mapping too, where a
-``pwrite`` of a record into the page cache costs 2-5 us. Only a file whose records all have blocks on the disk
-is mapped writable (``SEEK_HOLE`` finds none): a write into a hole would allocate one in the page fault, where
-a full disk is a ``SIGBUS``, not an error. Created files are reserved whole (``posix_fallocate``) and written.
+``pwrite`` of a record into the page cache costs 2-5 us. Only a file without holes is mapped writable (its
+blocks cover its size): a write into a hole would allocate a block in the page fault, where a full disk is a
+``SIGBUS``, not an error. Created files are reserved whole (``posix_fallocate``); a sparse copy of one is not.
 A write that faults (a page the page cache no longer holds) releases the mapping, as a read does.
 
 What it costs: the mapped pages count in the process's RSS (as shared file pages, ``RssFile``); they are the
@@ -68,13 +68,12 @@ def cached_pages(fd: int, offset: int, length: int) -> int | None:
     return int(stat.cache)
 
 
-def _allocated(fd: int, offset: int, length: int) -> bool:
-    """Whether bytes ``[offset, offset + length)`` of ``fd`` have blocks on the disk: no hole (``SEEK_HOLE``; where
-    the system cannot say, False). The file's position is not used by ``RowFile`` (it reads and writes at offsets)."""
-    try:
-        return os.lseek(fd, offset, os.SEEK_HOLE) >= offset + length
-    except (OSError, AttributeError):
-        return False
+def _allocated(fd: int) -> bool:
+    """Whether every byte of ``fd`` has a block on the disk: no hole, so no write into it allocates (reserved by
+    ``posix_fallocate`` counts, written or not). By the blocks the file holds (``st_blocks``): a file system that
+    counts its metadata there could hide a hole of a block or two, which only a full disk would make fatal."""
+    st = os.fstat(fd)
+    return st.st_blocks * 512 >= st.st_size
 
 
 def _major_faults() -> int:
@@ -161,7 +160,7 @@ class MappedRecords:
         return True
 
     def _open(self, length: int) -> None:
-        self.writable = _allocated(self.fd, self.offset, length)
+        self.writable = _allocated(self.fd)
         for prot in (mmap.PROT_READ | mmap.PROT_WRITE, mmap.PROT_READ)[0 if self.writable else 1 :]:
             try:
                 self._map = mmap.mmap(self.fd, length, mmap.MAP_SHARED, prot, offset=self.offset)
