@@ -12,7 +12,7 @@ batch, or any error before the batch is taken, puts their old steps back.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -20,8 +20,7 @@ from ..variables import distinct
 from . import _slots_native
 from ._slots import DirectSlots, victims
 
-if TYPE_CHECKING:
-    from ._cache import RowCache
+RowCache = Any  # (``_cache.RowCache``, which imports this module: no cycle)
 
 __all__ = ["Found", "look_up"]
 
