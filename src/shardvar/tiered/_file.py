@@ -266,8 +266,8 @@ class RowFile:
     def move_rows(self, places: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, state: torch.Tensor, *,
                   write: bool) -> bool:  # fmt: skip
         """``values[slots[i]]`` and ``state[slots[i]]`` from the record at ``places[i]`` (int64, distinct, any order),
-        or into it (``write``), if the mapping takes reads (writes) now: a row copy each, no staging; False (nothing
-        done) where it does not."""
+        or into it (``write``), if the mapping takes reads (writes) now: one pass of row copies, no staging; False
+        (nothing done) where it does not."""
         self._check_ids(places)
 
         def move(view: torch.Tensor) -> None:

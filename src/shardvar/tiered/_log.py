@@ -129,10 +129,9 @@ class RecordLog:
         Once it cleans, it cleans ahead: up to a staging area's worth of places more (at most an eighth of the
         spare ones), so cleaning runs every few steps in groups of many segments, not in several small groups
         every step (each costs ~1 ms besides its records: measured, half the cleaning's time a step)."""
-        reserve = 2 * self.segment
+        reserve, ahead = self._margins(cache)
         if self.room() >= n + reserve:
             return n
-        ahead = min(cache.staging.shape[0], self.spare // 8) // self.segment * self.segment
         while self.room() < n + reserve + ahead:
             victims, before = self._victims(n + reserve + ahead - self.room()), self.room()
             cache.behind.wait()  # a segment filled by a write still in flight is read after it
@@ -149,14 +148,18 @@ class RecordLog:
 
     def foresee(self, n: int, cache: Any) -> torch.Tensor | None:
         """The places (ascending) whose records and owners ``make_room(n)`` would read if called next (None: it would
-        clean nothing): a read-ahead
-        asks the kernel for them while the file is on the disk, so the step that cleans finds them in the page cache
-        (read by that step's thread, a segment at a time, a cleaning took up to 250 ms of a step)."""
-        reserve = 2 * self.segment
-        ahead = min(cache.staging.shape[0], self.spare // 8) // self.segment * self.segment
+        clean nothing): a read-ahead asks the kernel for them while the file is on the disk, so the step that cleans
+        finds them in the page cache (read by that step's thread, a segment at a time, a cleaning took up to 250 ms
+        of a step)."""
+        reserve, ahead = self._margins(cache)
         if self.room() >= n + reserve:
             return None
         return self._places(self._victims(n + reserve + ahead - self.room()).sort().values)
+
+    def _margins(self, cache: Any) -> tuple[int, int]:
+        """(the places kept free besides a need: two segments', since cleaning moves up to one before it frees one;
+        how many more a cleaning frees once it runs: ``make_room``)."""
+        return 2 * self.segment, min(cache.staging.shape[0], self.spare // 8) // self.segment * self.segment
 
     @staticmethod
     def write(cache: Any, places: torch.Tensor, ids: torch.Tensor, fill: Callable[..., None], *,
