@@ -232,7 +232,7 @@ class RowCache:
             self.log.moved(old, new)
             self.stats.written_back += n
             done += n
-        self._write_back(gone[done:], behind=done == 0 and not in_place)
+        self._write_back(gone[done:], behind=done == 0)
         keys = self.key[slots].to(torch.int64)
         self.index.remove(keys, self.home[slots].to(torch.int64))
         fill_at(self.key, slots, -1)
@@ -272,18 +272,17 @@ class RowCache:
             scatter_rows(self.state, slots[a:b], state)
 
     def _write_back(self, slots: torch.Tensor, behind: bool = False) -> None:
-        """Write the rows at ``slots`` to their homes: through the file's mapping where it takes writes (and not
-        ``behind``), else in place order, on the write-behind thread where ``behind`` and they fit its area (the
+        """Write the rows at ``slots`` to their homes: through the file's mapping where it takes writes, else in
+        place order, on the write-behind thread where ``behind`` and they fit its area (the
         slots may be reused at once: their records were copied), else here."""
         if slots.numel() == 0:
             return
         homes, ids = self.home[slots].to(torch.int64), self.key[slots].to(torch.int64)
-        if behind or not self.file.mapped.takes_writes:
-            self._write_records(slots, homes, behind)
-        else:
+        mapped = self.file.mapped.takes_writes
+        if mapped:
             self.behind.wait()  # (a write still in flight goes first)
-            if not self.file.move_rows(homes, slots, self.values, self.state, write=True):
-                self._write_records(slots, homes, behind)
+        if not (mapped and self.file.move_rows(homes, slots, self.values, self.state, write=True)):
+            self._write_records(slots, homes, behind)
         fill_at(self.dirty, slots, False)
         for staged in self._staged:
             staged.written.append(ids)

@@ -210,9 +210,12 @@ class RowFile:
         self.close()
 
     # -- records ------------------------------------------------------------------------------------
-    def _check_ids(self, ids: torch.Tensor) -> np.ndarray:
+    def _check_open(self) -> None:
         if self.fd < 0:
             raise BackingFileError(f"backing file {str(self.path)!r} is closed")
+
+    def _check_ids(self, ids: torch.Tensor) -> np.ndarray:
+        self._check_open()
         out = ids.detach().to("cpu", torch.int64).numpy()
         if out.size and (int(out.min()) < 0 or int(out.max()) >= self.layout.places):
             raise ShardvarValueError(
@@ -267,8 +270,8 @@ class RowFile:
                   write: bool) -> bool:  # fmt: skip
         """``values[slots[i]]`` and ``state[slots[i]]`` from the record at ``places[i]`` (int64, distinct, any order),
         or into it (``write``), if the mapping takes reads (writes) now: one pass of row copies, no staging; False
-        (nothing done) where it does not."""
-        self._check_ids(places)
+        (nothing done) where it does not. (The row copies check the places and slots: no pass of their own here.)"""
+        self._check_open()
 
         def move(view: torch.Tensor) -> None:
             fields = [(values, 0), (state, self.layout.state_offset)]

@@ -33,6 +33,7 @@ import torch
 
 from .._errors import ShardvarValueError
 from .._validate import check_int
+from ..variables import sort_stable
 from ._header import RecordLayout
 
 __all__ = ["RecordLog", "SEGMENT", "segment_for", "spare_records"]
@@ -184,9 +185,9 @@ class RecordLog:
         usable = (~self.open & (gain > 0)).nonzero().squeeze(1)
         if usable.numel() == 0:
             return usable
-        # ties to the lower segment (a stable sort; topk orders ties as it likes), so a read-ahead that asked for
-        # a deficit's segments (``foresee``) asked for those of any smaller one too
-        chosen = usable[torch.sort(self.live[usable], stable=True).indices]
+        # ties to the lower segment (a stable sort, radix: live counts are below a segment's records; topk orders
+        # ties as it likes), so a read-ahead that asked for a deficit's segments (``foresee``) asked for a smaller one's
+        chosen = usable[sort_stable(self.live[usable], self.segment + 1)[1]]
         return chosen[: int(torch.searchsorted(gain[chosen].cumsum(0), deficit)) + 1]
 
     def _clean(self, segments: torch.Tensor, cache: Any) -> None:
