@@ -20,9 +20,10 @@ nothing for the log to clean). The records are then out of row
 order (``places_of`` says where each row is; ``TieredRows`` puts them back in order before a
 checkpoint maps the file). Records pass between the file and the slots through one staging area
 allocated once (counted in ``nbytes``, as the write-behind area is), so no buffer of a batch's size
-is ever allocated besides the slots. Rows used at or after ``protect_since`` are never evicted, so
-a batch computing while the next one is resolved keeps its rows (``Prefetcher``). Everything is
-checked before anything moves: a batch whose distinct rows do not fit raises and changes nothing.
+is ever allocated besides the slots. Rows used at or after ``protect_since`` are never evicted: which
+those are for batches in flight (a pending backward's, a batch resolved ahead by the ``Prefetcher``
+while another computes) is ``_ahead.Pins``'s rule alone. Everything is checked before anything
+moves: a batch whose distinct rows do not fit raises and changes nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 from .._errors import ShardvarValueError
 from .._validate import check_bool, check_choice, check_int
 from ..variables import sort_stable
+from ._ahead import CacheRefused, Pins, resolve_ahead
 from ._behind import WriteBehind
 from ._file import RowFile
 from ._log import RecordLog
@@ -114,6 +116,7 @@ class RowCache:
         # Two at most: the batch about to run and the one after it (read while the first computes),
         # together at most ``reserve`` records.
         self._staged: list[Staged] = []
+        self.pins = Pins()  # the rows kept for batches in flight, and the batches resolved ahead (``_ahead``)
 
     @property
     def nbytes(self) -> int:
@@ -150,17 +153,35 @@ class RowCache:
         self.file.check_range(low, high)  # before the index, which holds no row past the file's
 
     def resolve(self, ids: torch.Tensor, *, protect_since: int | None = None) -> torch.Tensor:
-        """The slot of each of ``ids`` (any shape, repeats allowed), bringing missing rows in.
+        """The slot of each of ``ids`` (any shape, repeats allowed), bringing missing rows in (``use``)."""
+        return self.use(ids, protect_since=protect_since)[0]
 
-        A new step: its rows count as used now. ``protect_since``: rows used at that step or later
-        are kept (default: this step's only).
-        """
+    def use(
+        self, ids: torch.Tensor, *, pin: bool = False, protect_since: int | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """(slots, step) of ``ids`` for a batch about to compute: the slots resolved ahead for these very ids
+        (``prefetch``), else resolved now, a new step whose rows count as used now. ``pin``: the batch's rows stay
+        until ``pins.unpin(step)`` (its backward ran). ``protect_since``: rows used at that step or later are kept
+        (default: the pinned batches', those resolved ahead, and this one's; see ``_ahead``)."""
+        taken = self.pins.take(ids, pin)
+        if taken is not None:
+            return taken
         with self.lock:
             flat = ids.reshape(-1)
             if flat.numel():
                 self._check(int(flat.min()), int(flat.max()))
             step = self.step + 1
-            return self._resolve(flat, step, step if protect_since is None else protect_since).view(ids.shape)
+            try:
+                slots = self._resolve(flat, step, self.pins.since(step, ahead=True) if protect_since is None else
+                                      protect_since)  # fmt: skip
+            except CacheRefused as e:
+                if protect_since is not None or not self.pins.drop():
+                    raise ShardvarValueError(str(e)) from None
+                # the batches resolved ahead are let go (resolved again when they run) rather than this one refused
+                slots = self._resolve(flat, step, self.pins.since(step))
+            if pin:
+                self.pins.pin(step)
+            return slots.view(ids.shape), step
 
     def _resolve(self, ids: torch.Tensor, step: int, protect_since: int) -> torch.Tensor:
         slot, missed, new_ids, inverse, hits, chosen = look_up(self, ids, step, protect_since)  # (or refused)
@@ -188,7 +209,7 @@ class RowCache:
         per_row = self.values[:1].nbytes + self.state[:1].nbytes
         besides = self.nbytes - self.capacity * per_row  # the read-ahead reserve, the staging and write-behind areas
         budget = self.bytes_for(needed) if self.bytes_for else needed * per_row + besides
-        raise ShardvarValueError(
+        raise CacheRefused(
             f"the row cache holds {self.capacity} rows; this batch needs {distinct.numel()} distinct rows "
             f"and {needed - distinct.numel()} more are held for a batch in flight: give it at least "
             f"{needed} rows (cache_bytes={budget}, with its read-ahead, staging and write-behind records)"
@@ -308,6 +329,19 @@ class RowCache:
         """Read ahead the records of up to ``limit`` of ``ids`` not in the cache now; returns how many
         (``_transit.read_ahead``: how much, what is kept, and why nothing is while the file is mapped)."""
         return read_ahead(self, ids, limit)
+
+    def ahead_since(self) -> int:
+        """What a ``prefetch`` asked for now keeps (rows used at this step or later): asked on the loop's thread, before
+        the batch computing takes its slots, so it never depends on the threads' timing (``_ahead``)."""
+        return self.pins.since(self.step + 1, ahead=True)
+
+    def prefetch(self, ids: torch.Tensor, limit: int, since: int) -> int:
+        """Ready a coming batch's ``ids`` while another computes; returns the rows brought or read. While the file is
+        mapped (the page cache holds it) the batch is resolved ahead, its rows in their slots (``_ahead``; ``since``
+        from ``ahead_since``); else up to ``limit`` of its records are read ahead (``stage``)."""
+        if self.file.mapped.active:
+            return resolve_ahead(self, ids, since)
+        return self.stage(ids, limit)
 
     def mark_dirty(self, slots: torch.Tensor) -> None:
         """The rows (and state) at ``slots`` were changed in place: write them back before evicting."""

@@ -1,10 +1,13 @@
-"""Prefetcher: while batch i computes, the rows of batch i+1 are read from the backing files.
+"""Prefetcher: while batch i computes, the rows of batch i+1 are readied from the backing files.
 
-One background thread per step reads ahead (``RowCache.stage``): the records the next batch
-misses come off the disk while this batch's forward, backward and update run, and are handed
-to the cache when that batch resolves its ids. A batch that arrives before its read finished
-waits for it (the read is joined before the batch is yielded), so what the step sees never
-depends on timing; an error in the thread is raised in the loop, at that batch.
+One background thread per step readies the next batch (``RowCache.prefetch``) while this batch's
+forward, backward and update run. While a file is on the disk, the records the next batch misses
+are read ahead and handed to the cache when that batch resolves its ids. While the page cache
+holds it (reads are cheap, the bookkeeping is not) the next batch is resolved ahead: its rows
+brought into their slots, the victims written back, and its forward takes the slots (``_ahead``).
+A batch that arrives before its thread finished waits for it (the thread is joined before the
+batch is yielded), and what a resolve ahead keeps is decided before its thread starts, so what the
+step sees never depends on timing; an error in the thread is raised in the loop, at that batch.
 """
 
 from __future__ import annotations
@@ -26,13 +29,14 @@ Batch = TypeVar("Batch")
 class _ReadAhead(threading.Thread):
     def __init__(self, work: list[tuple[RowCache, torch.Tensor]], limit: int) -> None:
         super().__init__(name="shardvar-prefetch", daemon=True)
-        self.work, self.limit = work, limit
+        self.work = [(cache, ids, cache.ahead_since()) for cache, ids in work]  # (here, on the loop's thread)
+        self.limit = limit
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            for cache, ids in self.work:
-                cache.stage(ids, self.limit)
+            for cache, ids, since in self.work:
+                cache.prefetch(ids, self.limit, since)
         except BaseException as e:  # handed to the loop, raised there
             self.error = e
 
@@ -46,8 +50,8 @@ class Prefetcher(Iterable[Batch]):
     """Iterate ``batches``, reading ahead the rows each next batch needs.
 
     ``ids_of(batch)`` gives, for each cache, the ids the batch will look up in it: a sequence of
-    ``(cache, ids)`` pairs. ``limit``: the most rows read ahead per cache and step (they count
-    against the cache's bytes).
+    ``(cache, ids)`` pairs. ``limit``: the most records read ahead per cache and step (they count
+    against the cache's bytes; a batch resolved ahead takes slots instead).
 
     >>> # for batch in Prefetcher(loader, lambda b: [(table.cache, b["ids"])]): step(batch)
     """
@@ -66,7 +70,9 @@ class Prefetcher(Iterable[Batch]):
         it = iter(self.batches)
         end: Any = object()
         upcoming = next(it, end)
-        reading: _ReadAhead | None = None
+        # the first batch is readied too (its thread joined before it is yielded): every batch then comes resolved
+        # ahead, in the loop's order, and no resolve of the loop's own races a thread's
+        reading = None if upcoming is end else self._ready(upcoming)
         try:
             while upcoming is not end:
                 current, upcoming = upcoming, next(it, end)
@@ -74,9 +80,13 @@ class Prefetcher(Iterable[Batch]):
                     reading.finish()  # this batch's rows are in before it runs
                     reading = None
                 if upcoming is not end:
-                    reading = _ReadAhead(list(self.ids_of(upcoming)), self.limit)
-                    reading.start()
+                    reading = self._ready(upcoming)
                 yield current
         finally:
             if reading is not None:
                 reading.join()  # leave no thread reading a file that may be closed next
+
+    def _ready(self, batch: Batch) -> _ReadAhead:
+        reading = _ReadAhead(list(self.ids_of(batch)), self.limit)
+        reading.start()
+        return reading

@@ -12,7 +12,6 @@ rewritten once, chunk by chunk, into records wide enough for it (a new file rena
 from __future__ import annotations
 
 import os
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -168,9 +167,7 @@ class TieredRows:
         self.spec, self.file, self.cache = spec, file, cache
         self.sink: TierSink | None = None
         self._columns: dict[str, tuple[int, int]] = {}
-        self._in_flight: dict[int, int] = {}  # step -> forwards of that step whose backward has not run
         self._map: tuple | None = None  # (file, memmap, values, state) once a checkpoint asked for views
-        self._lock = threading.RLock()  # a pending backward's token may be collected while it is held
         self._closer = weakref.finalize(self, _close, cache, file)
 
     @property
@@ -186,24 +183,13 @@ class TieredRows:
         return self.file.layout
 
     def resolve(self, ids: torch.Tensor, *, grad: bool) -> tuple[torch.Tensor, Any]:
-        """Slots of ``ids``; rows of batches whose backward is pending stay in theirs."""
-        with self._lock:
-            since = min(self._in_flight) if self._in_flight else None
-        slots = self.cache.resolve(ids, protect_since=since)
+        """Slots of ``ids``; with ``grad`` they stay theirs until the backward ran (its token is let go)."""
+        slots, step = self.cache.use(ids, pin=grad)
         if not grad:
             return slots, None
-        step = self.cache.step
-        with self._lock:
-            self._in_flight[step] = self._in_flight.get(step, 0) + 1
         token = _Token()
-        weakref.finalize(token, self._release, step)  # run at backward's end, or when its graph is dropped
+        weakref.finalize(token, self.cache.pins.unpin, step)  # run at backward's end, or when its graph is dropped
         return slots, token
-
-    def _release(self, step: int) -> None:
-        with self._lock:
-            left = self._in_flight.pop(step, 1) - 1
-            if left > 0:
-                self._in_flight[step] = left
 
     def slot_columns(self) -> dict[str, tuple[int, int]]:
         return dict(self._columns)
@@ -216,7 +202,7 @@ class TieredRows:
         check_number(fill, "fill")
         if name in self._columns:
             return
-        if self._in_flight:
+        if self.cache.pins.pinned:
             raise ShardvarValueError("cannot add optimizer state to a tiered table while a backward is pending")
         old = self.file.layout
         layout = replace(old, state_width=old.state_width + width)
@@ -275,8 +261,7 @@ class TieredRows:
         self._map = mapping
 
     def pending_backward(self) -> bool:
-        with self._lock:
-            return bool(self._in_flight)
+        return self.cache.pins.pinned
 
     def sharded(
         self, layout: Any, slot: str | None = None, row_wise: bool = False, owned: tuple[int, ...] | None = None
@@ -330,7 +315,7 @@ class TieredRows:
         load = active_load()
         if load is not None and load.holds(self):  # the load wrote into its shadow only: the file is unchanged
             return
-        if self._in_flight:
+        if self.cache.pins.pinned:
             raise ShardvarValueError("cannot load a tiered table while a backward of its lookups is pending")
         if not bool((self.cache.key >= 0).any()) and not self.cache.staged_rows:
             return  # nothing held to forget (a committed load switched to its new file with an empty cache)

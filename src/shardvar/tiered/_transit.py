@@ -55,7 +55,8 @@ def read_ahead(cache: Any, ids: torch.Tensor, limit: int) -> int:
     Safe beside the trainer's own ``resolve`` (only the index look-up holds the lock): the file is read while it
     computes, and ``resolve`` takes the staged records instead of reading. While reads are gathers from a mapping of
     the file (the page cache holds it: ``RowFile.mapped``) nothing is read ahead: a miss then costs less than its
-    hand-over (measured, 2^22 rows in the page cache: 38 ms a step reading ahead, 23 ms not). While the file is on
+    hand-over (measured, 2^22 rows in the page cache: 38 ms a step reading ahead, 23 ms not), and the ``Prefetcher``
+    resolves the whole batch ahead instead (``RowCache.prefetch``, ``_ahead``). While the file is on
     the disk, the segments the log will clean next are asked of the kernel too (``RecordLog.foresee``).
     """
     with cache.lock:
