@@ -142,3 +142,33 @@ def test_a_table_trained_through_the_prefetcher_over_a_cached_file_equals_memory
     assert tiered.tier.file.mapped.active and stats["prefetched"] > 0 and stats["evictions"] > 0
     assert torch.equal(tiered.tier.peek(torch.arange(rows))[0], memory.weight.to_tensor())
     tiered.close()
+
+
+def test_a_cache_let_go_resolves_nothing_ahead(tmp_path, monkeypatch):
+    """A resolve ahead still to run in a cache its table let go (a load forgot its rows, or it closed) changes
+    nothing: written back, its changed rows would overwrite what the load wrote."""
+    monkeypatch.setattr(mapped_module, "RECHECK_S", 0.0)
+    with _cached_file(tmp_path) as f:
+        cache = RowCache(f, 20, "lru")
+        slots = cache.resolve(torch.arange(20))
+        cache.values[slots] += 1.0
+        cache.mark_dirty(slots)  # every slot changed: any eviction would write
+        before = f.read(torch.arange(300))
+        with cache.lock:
+            cache.pins.retire()
+        assert cache.prefetch(torch.arange(100, 110), 1, cache.ahead_since()) == 0
+        assert torch.equal(f.read(torch.arange(300)), before)
+        assert torch.equal(cache.key[slots].to(torch.int64), torch.arange(20))
+
+
+def test_loading_a_checkpoint_lets_the_old_cache_go(tmp_path):
+    rows, dim = 300, 4
+    storage = shardvar.Tiered(tmp_path / "t.rows", cache_bytes=cache_bytes_for(40, dim, rows=rows))
+    tiered = shardvar.ShardedEmbedding(rows, dim, storage=storage)
+    shardvar.save({"emb": tiered}, tmp_path / "ckpt")
+    tiered(torch.arange(10))
+    old = tiered.cache
+    shardvar.load({"emb": tiered}, tmp_path / "ckpt")
+    assert old.pins.retired and tiered.cache is not old and not tiered.cache.pins.retired
+    tiered.close()
+    assert tiered.cache.pins.retired

@@ -46,6 +46,7 @@ class Pins:
         self._lock = threading.RLock()  # a backward's token may be collected (``unpin``) while it is held
         self._pinned: dict[int, int] = {}  # step -> pending backwards of that step
         self._ahead: list[Resolved] = []  # the batch about to run and the one after it, at most
+        self.retired = False  # the cache was let go (``retire``): nothing is resolved ahead in it any more
 
     @property
     def pinned(self) -> bool:
@@ -79,6 +80,13 @@ class Pins:
             had, self._ahead = bool(self._ahead), []
             return had
 
+    def retire(self) -> None:
+        """The cache is let go (its table made a new one, or closes): a resolve ahead still to run in it changes
+        nothing, since what it would write back is no longer wanted (a load) or already written (a close). Called
+        under the cache's lock, so one running now has finished."""
+        with self._lock:
+            self.retired, self._ahead = True, []
+
     def take(self, ids: torch.Tensor, pin: bool) -> tuple[torch.Tensor, int] | None:
         """(slots, step) of a batch resolved ahead for exactly ``ids``, taken (pinned with ``pin``); None if none."""
         with self._lock:
@@ -96,6 +104,8 @@ def resolve_ahead(cache: Any, ids: torch.Tensor, since: int) -> int:
     later (``RowCache.ahead_since``, asked for on the loop's thread); returns the rows brought in. A batch that does
     not fit is left for its own resolve (nothing changed); bad ids raise, as the batch itself would."""
     with cache.lock:
+        if cache.pins.retired:
+            return 0
         flat = ids.reshape(-1).to(torch.int64)
         if flat.numel():
             cache._check(int(flat.min()), int(flat.max()))

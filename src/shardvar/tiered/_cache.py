@@ -391,4 +391,6 @@ class RowCache:
         try:
             self.flush()
         finally:
+            with self.lock:
+                self.pins.retire()
             self.behind.close()

@@ -251,6 +251,8 @@ class TieredRows:
         """Let go of the cache (its memory freed before a new one is made: never two at once) and return its
         statistics. Its rows were written back or are no longer wanted."""
         stats = self.cache.stats
+        with self.cache.lock:  # (a resolve ahead running in it finishes first; none runs after)
+            self.cache.pins.retire()
         self.cache.behind.close()
         self.cache = None  # type: ignore[assignment]
         return stats
