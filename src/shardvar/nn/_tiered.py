@@ -186,7 +186,7 @@ class TieredTable:
         ids = _checked_ids(input, self.num_embeddings)
         unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
         grad = torch.is_grad_enabled() and self.tiered_rows.requires_grad
-        slots, token = self.tier.resolve(unique, grad=grad)
+        slots, token = self.tier.resolve(unique, grad=grad, of=(ids, inverse))  # (the batch: taken if resolved ahead)
         rows = _TierRows.apply(self.tiered_rows, self.tier, slots, token) if grad else self.tier.values[slots]
         pad = None
         if self.padding_idx is not None:

@@ -6,14 +6,17 @@ step at 2^22 rows, as much as the in-memory step itself). So the ``Prefetcher``'
 whole resolve for batch i+1 while batch i computes, and batch i+1's forward takes the slots resolved
 for it (``RowCache.use``) instead of resolving again.
 
-Which rows stay, decided here alone: rows used by a batch whose backward is pending (pinned), and
-by every batch resolved ahead and not yet taken. A resolve ahead keeps them all, so the batch
-computing keeps its rows while the next one is brought in; what it keeps is decided when it is asked
-for, on the loop's thread, so what it evicts never depends on the threads' timing. A plain resolve
-(of ids nobody resolved ahead) keeps the pinned batches' rows only, as without a prefetcher, and
-drops every batch resolved ahead: their rows may be gone, so they are resolved again when they run.
-A resolve ahead that does not fit (the cache holds too few rows for two batches) changes nothing,
-and that batch is resolved when it runs.
+Which rows stay, decided here alone: rows used by a batch whose backward is pending (pinned: every row
+used since the step it was resolved at, so a batch taken from ahead also keeps the rows of a batch
+resolved after it until its backward ran), and by every batch resolved ahead and not yet taken. What a
+resolve ahead keeps is fixed on the loop's thread before its thread starts, and a forward takes its
+batch (its ids as given, or its distinct ids with the batch they come from), so in a ``Prefetcher``
+loop no resolve of the loop's own runs beside the thread and what is evicted never depends on timing.
+A resolve of ids the prefetcher was not told of runs before or after the thread's, as it happens (the
+values are the same, the counts may differ); it keeps the batches resolved ahead too, and where it
+then does not fit they are let go (resolved again when they run) and it keeps the pinned batches'
+rows only, so batches resolved ahead never make it refused. A resolve ahead that does not fit (the
+cache holds too few rows for two batches) changes nothing, and that batch is resolved when it runs.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class Pins:
         self._pinned: dict[int, int] = {}  # step -> pending backwards of that step
         self._ahead: list[Resolved] = []  # the batch about to run and the one after it, at most
         self.retired = False  # the cache was let go (``retire``): nothing is resolved ahead in it any more
+        self.resolving: int | None = None  # the thread running a resolve ahead now (it holds the cache's lock)
 
     @property
     def pinned(self) -> bool:
@@ -87,16 +91,26 @@ class Pins:
         with self._lock:
             self.retired, self._ahead = True, []
 
-    def take(self, ids: torch.Tensor, pin: bool) -> tuple[torch.Tensor, int] | None:
-        """(slots, step) of a batch resolved ahead for exactly ``ids``, taken (pinned with ``pin``); None if none."""
+    def take(self, ids: torch.Tensor, pin: bool, of: Any = None) -> tuple[torch.Tensor, int] | None:
+        """(slots, step) of a batch resolved ahead for exactly ``ids``, or for the batch ``of`` = (batch, each of its
+        ids' position in ``ids``) whose distinct ids ``ids`` are, taken (pinned with ``pin``); None if none."""
         with self._lock:
             for k, r in enumerate(self._ahead):
-                if r.ids.shape == ids.shape and torch.equal(r.ids, ids.to(torch.int64)):
+                batch = _same(r.ids, ids) or (of is not None and _same(r.ids, of[0]))
+                if batch:
                     del self._ahead[k]
                     if pin:
                         self.pin(r.step)
-                    return r.slots, r.step
+                    if _same(r.ids, ids):
+                        return r.slots, r.step
+                    slots = torch.empty(ids.shape, dtype=r.slots.dtype)  # each distinct id's slot, from its batch's
+                    slots.view(-1)[of[1].reshape(-1)] = r.slots.reshape(-1)  # (repeats write the same slot)
+                    return slots, r.step
         return None
+
+
+def _same(resolved: torch.Tensor, ids: torch.Tensor) -> bool:
+    return resolved.shape == ids.shape and torch.equal(resolved, ids.to(torch.int64))
 
 
 def resolve_ahead(cache: Any, ids: torch.Tensor, since: int) -> int:
@@ -110,12 +124,19 @@ def resolve_ahead(cache: Any, ids: torch.Tensor, since: int) -> int:
         if flat.numel():
             cache._check(int(flat.min()), int(flat.max()))
         step = cache.step + 1
-        misses = cache.stats.misses
+        misses, prefetched = cache.stats.misses, cache.stats.prefetched
+        cache.pins.resolving = threading.get_ident()  # (a table collected here cannot close its cache: ``_close``)
         try:
             slots = cache._resolve(flat, step, min(since, step))
         except CacheRefused:
             return 0
+        except Exception:
+            if cache.pins.retired:  # its table was collected here, its file let go: nothing of it is wanted
+                return 0
+            raise
+        finally:
+            cache.pins.resolving = None
         cache.pins.add(Resolved(flat.view(ids.shape), slots.view(ids.shape), step))
         brought = cache.stats.misses - misses
-        cache.stats.prefetched += brought  # read before their batch asked for them
+        cache.stats.prefetched = prefetched + brought  # read before their batch asked (from read-ahead or not)
         return brought

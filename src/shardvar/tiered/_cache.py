@@ -157,13 +157,14 @@ class RowCache:
         return self.use(ids, protect_since=protect_since)[0]
 
     def use(
-        self, ids: torch.Tensor, *, pin: bool = False, protect_since: int | None = None
+        self, ids: torch.Tensor, *, pin: bool = False, protect_since: int | None = None, of: tuple | None = None
     ) -> tuple[torch.Tensor, int]:
         """(slots, step) of ``ids`` for a batch about to compute: the slots resolved ahead for these very ids
         (``prefetch``), else resolved now, a new step whose rows count as used now. ``pin``: the batch's rows stay
         until ``pins.unpin(step)`` (its backward ran). ``protect_since``: rows used at that step or later are kept
-        (default: the pinned batches', those resolved ahead, and this one's; see ``_ahead``)."""
-        taken = self.pins.take(ids, pin)
+        (default: the pinned batches', those resolved ahead, and this one's; see ``_ahead``). ``of``: (a batch, its ids'
+        positions in ``ids``) where ``ids`` are its distinct ids: taken as resolved ahead for that batch."""
+        taken = self.pins.take(ids, pin, of) if protect_since is None else None
         if taken is not None:
             return taken
         with self.lock:
@@ -171,13 +172,14 @@ class RowCache:
             if flat.numel():
                 self._check(int(flat.min()), int(flat.max()))
             step = self.step + 1
+            if protect_since is not None:  # (it keeps what it is told: the batches resolved ahead are let go)
+                self.pins.drop()
             try:
                 slots = self._resolve(flat, step, self.pins.since(step, ahead=True) if protect_since is None else
                                       protect_since)  # fmt: skip
             except CacheRefused as e:
-                if protect_since is not None or not self.pins.drop():
+                if not self.pins.drop():  # else the batches resolved ahead go (resolved when they run), not this one
                     raise ShardvarValueError(str(e)) from None
-                # the batches resolved ahead are let go (resolved again when they run) rather than this one refused
                 slots = self._resolve(flat, step, self.pins.since(step))
             if pin:
                 self.pins.pin(step)
@@ -339,9 +341,9 @@ class RowCache:
         """Ready a coming batch's ``ids`` while another computes; returns the rows brought or read. While the file is
         mapped (the page cache holds it) the batch is resolved ahead, its rows in their slots (``_ahead``; ``since``
         from ``ahead_since``); else up to ``limit`` of its records are read ahead (``stage``)."""
-        if self.file.mapped.active:
-            return resolve_ahead(self, ids, since)
-        return self.stage(ids, limit)
+        if self.pins.retired:  # (its table has another cache now, or closed: nothing of this one is wanted)
+            return 0
+        return resolve_ahead(self, ids, since) if self.file.mapped.active else self.stage(ids, limit)
 
     def mark_dirty(self, slots: torch.Tensor) -> None:
         """The rows (and state) at ``slots`` were changed in place: write them back before evicting."""

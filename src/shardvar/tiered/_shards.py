@@ -50,8 +50,11 @@ class ShardRows:
     def spec(self) -> Any:
         return self.rows.spec
 
-    def resolve(self, ids: torch.Tensor, *, grad: bool) -> tuple[torch.Tensor, Any]:
-        return self.rows.resolve(self.file_rows(ids), grad=grad)
+    def resolve(
+        self, ids: torch.Tensor, *, grad: bool, of: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, Any]:
+        of = None if of is None else (self.file_rows(of[0]), of[1])
+        return self.rows.resolve(self.file_rows(ids), grad=grad, of=of)
 
     def slot_columns(self) -> dict[str, tuple[int, int]]:
         return self.rows.slot_columns()

@@ -12,6 +12,7 @@ rewritten once, chunk by chunk, into records wide enough for it (a new file rena
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -182,9 +183,12 @@ class TieredRows:
     def layout(self) -> RecordLayout:
         return self.file.layout
 
-    def resolve(self, ids: torch.Tensor, *, grad: bool) -> tuple[torch.Tensor, Any]:
-        """Slots of ``ids``; with ``grad`` they stay theirs until the backward ran (its token is let go)."""
-        slots, step = self.cache.use(ids, pin=grad)
+    def resolve(
+        self, ids: torch.Tensor, *, grad: bool, of: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, Any]:
+        """Slots of ``ids``; with ``grad`` they stay theirs until the backward ran (its token is let go). ``of``:
+        the batch ``ids`` are the distinct ids of (``RowTier.resolve``)."""
+        slots, step = self.cache.use(ids, pin=grad, of=of)
         if not grad:
             return slots, None
         token = _Token()
@@ -375,9 +379,11 @@ def _close(cache: RowCache, file: RowFile) -> None:
     if file.fd < 0:
         return
     file.inline = True  # maybe run by the garbage collector, inside another file's pool call
-    if cache.behind.writing_here():
-        # the collector runs inside this table's own write-back, which cannot be waited for from under itself:
-        # the file is let go as it is, never marked clean (as after a crash: it is refused when opened)
+    if cache.behind.writing_here() or cache.pins.resolving == threading.get_ident():
+        # the collector runs inside this table's own write-back, or a resolve ahead holding its cache's lock, which
+        # cannot be waited for from under itself: the file is let go as it is, never marked clean (as after a
+        # crash: it is refused when opened), and a resolve ahead running here stops (``_ahead.resolve_ahead``)
+        cache.pins.retire()
         file.discard()
         return
     cache.close()

@@ -60,6 +60,8 @@ def read_ahead(cache: Any, ids: torch.Tensor, limit: int) -> int:
     the disk, the segments the log will clean next are asked of the kernel too (``RecordLog.foresee``).
     """
     with cache.lock:
+        if cache.pins.retired:  # (let go since the thread was started: its file may be closed)
+            return 0
         flat = ids.reshape(-1)
         if flat.numel():
             cache.file.check_range(int(flat.min()), int(flat.max()))

@@ -32,9 +32,12 @@ class RowTier(Protocol):
     state: torch.Tensor  # [slots, state width] float32: the optimizer's state of each slot's row
     sink: TierSink | None
 
-    def resolve(self, ids: torch.Tensor, *, grad: bool) -> tuple[torch.Tensor, Any]:
+    def resolve(
+        self, ids: torch.Tensor, *, grad: bool, of: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, Any]:
         """(the slot of each id, a token keeping those rows in their slots while it lives (``grad``: until
-        the backward ran), or None)."""
+        the backward ran), or None). ``of``: (the batch, each of its ids' position in ``ids``) where ``ids`` are
+        the batch's distinct ids (a tier may have resolved the batch itself ahead)."""
         ...
 
     def slot_columns(self) -> dict[str, tuple[int, int]]:
