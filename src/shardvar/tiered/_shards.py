@@ -53,8 +53,7 @@ class ShardRows:
     def resolve(
         self, ids: torch.Tensor, *, grad: bool, of: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> tuple[torch.Tensor, Any]:
-        of = None if of is None else (self.file_rows(of[0]), of[1])
-        return self.rows.resolve(self.file_rows(ids), grad=grad, of=of)
+        return self.rows.resolve(self.file_rows(ids), grad=grad)  # (``of`` unused: no rank's rows are resolved ahead)
 
     def slot_columns(self) -> dict[str, tuple[int, int]]:
         return self.rows.slot_columns()
