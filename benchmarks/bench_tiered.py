@@ -75,6 +75,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     args.rows, args.steps, args.repeats = (
         d if v is None else v for v, d in zip((args.rows, args.steps, args.repeats), defaults, strict=True)
     )
+    if args.steps < 2:
+        p.error(f"--steps {args.steps}: at least 2 (each candidate's first step is untimed)")
     if args.quick:
         args.rows, args.batch, args.bag, args.steps, args.repeats = 1 << 14, 256, 8, 4, 2
         if args.capacity:  # three processes, two of them training: one repeat
@@ -99,12 +101,15 @@ def _tables(args: argparse.Namespace, folder: Path) -> dict[str, torch.nn.Module
 
 
 def _run(module: torch.nn.Module, batches: list[torch.Tensor], prefetch: bool) -> float:
-    """Seconds per step of ``batches``, read ahead or not."""
+    """Seconds per step of ``batches``, readied ahead or not; each candidate's first step untimed, as in the capped
+    run (``_capacity``): a pipeline's first batch has nothing readied ahead, once a loop, not once a step."""
     loop = Prefetcher(batches, lambda ids: [(module.cache, ids)]) if prefetch else batches
-    start = time.perf_counter()
+    start = None
     for ids in loop:
         module(ids).sum().backward()
-    return (time.perf_counter() - start) / len(batches)
+        if start is None:
+            start = time.perf_counter()
+    return (time.perf_counter() - start) / (len(batches) - 1)
 
 
 def main(argv: list[str] | None = None) -> None:
