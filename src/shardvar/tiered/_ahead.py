@@ -91,17 +91,19 @@ class Pins:
         with self._lock:
             self.retired, self._ahead = True, []
 
-    def take(self, ids: torch.Tensor, pin: bool, of: Any = None) -> tuple[torch.Tensor, int] | None:
+    def take(
+        self, ids: torch.Tensor, pin: bool, of: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, int] | None:
         """(slots, step) of a batch resolved ahead for exactly ``ids``, or for the batch ``of`` = (batch, each of its
         ids' position in ``ids``) whose distinct ids ``ids`` are, taken (pinned with ``pin``); None if none."""
         with self._lock:
             for k, r in enumerate(self._ahead):
-                batch = _same(r.ids, ids) or (of is not None and _same(r.ids, of[0]))
-                if batch:
+                exact = _same(r.ids, ids)
+                if exact or (of is not None and _same(r.ids, of[0])):
                     del self._ahead[k]
                     if pin:
                         self.pin(r.step)
-                    if _same(r.ids, ids):
+                    if exact:
                         return r.slots, r.step
                     slots = torch.empty(ids.shape, dtype=r.slots.dtype)  # each distinct id's slot, from its batch's
                     slots.view(-1)[of[1].reshape(-1)] = r.slots.reshape(-1)  # (repeats write the same slot)
