@@ -12,18 +12,17 @@ evicted for the batch's misses; the victims' changed records are copied out befo
 are reused and written by the write-behind thread (``_behind``), or here when they do not fit its
 area; the misses are read from the file in concurrent reads.
 
-Where a row is written back: where the index keeps a place per row (``_slots.DirectSlots``) and the
-file has spare records, into the next free record of the file's log (``_log.RecordLog``): a step's
-write-backs are one sequential write, not a random page write each (while the page cache holds the
-file and a mapping of it takes writes, each row goes back to its own place instead: a scatter, with
-nothing for the log to clean). The records are then out of row
-order (``places_of`` says where each row is; ``TieredRows`` puts them back in order before a
-checkpoint maps the file). Records pass between the file and the slots through one staging area
-allocated once (counted in ``nbytes``, as the write-behind area is), so no buffer of a batch's size
-is ever allocated besides the slots. Rows used at or after ``protect_since`` are never evicted: which
-those are for batches in flight (a pending backward's, a batch resolved ahead by the ``Prefetcher``
-while another computes) is ``_ahead.Pins``'s rule alone. Everything is checked before anything
-moves: a batch whose distinct rows do not fit raises and changes nothing.
+Where a row is written back: where the index keeps a place per row (``_slots.DirectSlots``) and the file has
+spare records, into the next free record of the file's log (``_log.RecordLog``): a step's write-backs are one
+sequential write, not a random page write each (while the page cache holds the file and a mapping of it takes
+writes, each row goes back to its own place instead: a scatter, with nothing for the log to clean). The records
+are then out of row order (``places_of`` says where each row is; ``TieredRows`` puts them back in order before a
+checkpoint maps the file). Records pass between the file and the slots through one staging area allocated once
+(counted in ``nbytes``, as the write-behind area is), so no buffer of a batch's size is ever allocated besides
+the slots. Rows used at or after ``protect_since`` are never evicted: which those are for batches in flight (a
+pending backward's, a batch resolved ahead by the ``Prefetcher`` while another computes) is ``_ahead.Pins``'s
+rule alone. Everything is checked before anything moves: a batch whose distinct rows do not fit raises and
+changes nothing.
 """
 
 from __future__ import annotations
@@ -220,17 +219,20 @@ class RowCache:
     def _bring(self, slots: torch.Tensor, ids: torch.Tensor, places: torch.Tensor) -> None:
         """Fill ``slots`` with the records of missing ``ids`` (ascending) at ``places``: read ahead where current,
         else read now (in the order of their places)."""
-        todo = torch.ones(ids.numel(), dtype=torch.bool)
-        for staged in reversed(self._staged):  # the latest read first
-            use, pos = staged.current(ids, todo)
-            self._through_staging(slots[use], lambda a, b, out, p=pos[use], s=staged: _select(s.records, p[a:b], out))
-            todo &= ~use
-        rest = todo.nonzero().squeeze(1)
-        if not self.file.move_rows(places[rest], slots[rest], self.values, self.state, write=False):  # (unmapped)
-            at, order = sort_stable(places[rest], self.layout.places)  # (a radix sort: torch's costs ~4x as much)
+        read, into = places, slots  # (all of them: no read-ahead while the file is mapped)
+        if self._staged:
+            todo = torch.ones(ids.numel(), dtype=torch.bool)
+            for staged in reversed(self._staged):  # the latest read first
+                use, pos = staged.current(ids, todo)
+                self._through_staging(slots[use], lambda a, b, o, p=pos[use], s=staged: _select(s.records, p[a:b], o))
+                todo &= ~use
+            rest = todo.nonzero().squeeze(1)
+            self.stats.prefetched += ids.numel() - rest.numel()
+            read, into = places[rest], slots[rest]
+        if not self.file.move_rows(read, into, self.values, self.state, write=False):  # (unmapped)
+            at, order = sort_stable(read, self.layout.places)  # (a radix sort: torch's costs ~4x as much)
             at = at.to(torch.int64)
-            self._through_staging(slots[rest[order]], lambda a, b, out: self.file.read_into(at[a:b], out))
-        self.stats.prefetched += ids.numel() - rest.numel()
+            self._through_staging(into[order], lambda a, b, out: self.file.read_into(at[a:b], out))
         scatter_rows(self.key.view(-1, 1), slots, ids.to(self.key.dtype).view(-1, 1))
         scatter_rows(self.home.view(-1, 1), slots, places.to(self.home.dtype).view(-1, 1))
         fill_at(self.used, slots, self.step)
@@ -259,7 +261,8 @@ class RowCache:
         keys = self.key[slots].to(torch.int64)
         self.index.remove(keys, self.home[slots].to(torch.int64))
         fill_at(self.key, slots, -1)
-        self.free = sort_stable(torch.cat([self.free, slots.to(torch.int32)]), self.capacity)[0].to(torch.int32)
+        free, given = self.free, slots.to(torch.int32)  # (ascending: kept as they are where no slot was free)
+        self.free = sort_stable(torch.cat([free, given]), self.capacity)[0].to(torch.int32) if free.numel() else given
         self.stats.evictions += slots.numel()
         if self.index.needs_rebuild():
             held = (self.key >= 0).nonzero().squeeze(1)
@@ -338,10 +341,9 @@ class RowCache:
         return self.pins.since(self.step + 1, ahead=True)
 
     def prefetch(self, ids: torch.Tensor, limit: int, since: int) -> int:
-        """Ready a coming batch's ``ids`` while another computes; returns the rows brought or read. While the file is
-        mapped (the page cache holds it) the batch is resolved ahead, its rows in their slots (``_ahead``; ``since``
-        from ``ahead_since``); else up to ``limit`` of its records are read ahead (``stage``)."""
-        if self.pins.retired:  # (its table has another cache now, or closed: nothing of this one is wanted)
+        """Ready a coming batch's ``ids`` while another computes (rows brought or read): resolved ahead while the file
+        is mapped (``_ahead``; ``since``: ``ahead_since``), else up to ``limit`` read ahead; not once let go."""
+        if self.pins.retired:
             return 0
         return resolve_ahead(self, ids, since) if self.file.mapped.active else self.stage(ids, limit)
 
