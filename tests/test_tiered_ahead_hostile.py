@@ -44,14 +44,20 @@ def test_explicit_protect_since_evicts_rows_resolved_ahead_and_take_hands_out_st
         assert torch.equal(cache.key[slots].to(torch.int64), ahead), "slots handed out now hold other rows"
 
 
-# 3 -- the thread's call after a load switched the table to its new file: the old cache reads a closed file
-def test_prefetch_into_the_cache_a_load_let_go_raises(tmp_path):
+def _trained_bag(tmp_path) -> shardvar.ShardedEmbeddingBag:
+    """A fused sum bag over a file the page cache holds (mapped from its first read)."""
     rows, dim = 300, 4
     storage = shardvar.Tiered(tmp_path / "t.rows", cache_bytes=cache_bytes_for(40, dim, rows=rows, state_width=1))
     torch.manual_seed(0)
     table = shardvar.ShardedEmbeddingBag(rows, dim, mode="sum", sparse=True, storage=storage)
     optim.fuse(optim.RowWiseAdagrad(table, lr=0.05))
     _warm(table.tier.file.path)
+    return table
+
+
+# 3 -- the thread's call after a load switched the table to its new file: the old cache (its file closed) is let go
+def test_prefetch_into_the_cache_a_load_let_go_changes_nothing(tmp_path):
+    table = _trained_bag(tmp_path)
     table(torch.arange(5).view(1, 5)).sum().backward()
     assert table.tier.file.mapped.active
     shardvar.save({"emb": table}, tmp_path / "ckpt")
@@ -66,12 +72,7 @@ def test_prefetch_into_the_cache_a_load_let_go_raises(tmp_path):
 
 def test_prefetcher_loop_with_a_load_in_its_body_never_raises(tmp_path, monkeypatch):
     """The same through the Prefetcher, its thread held back until the load is done (a slow thread)."""
-    rows, dim = 300, 4
-    storage = shardvar.Tiered(tmp_path / "t.rows", cache_bytes=cache_bytes_for(40, dim, rows=rows, state_width=1))
-    torch.manual_seed(0)
-    table = shardvar.ShardedEmbeddingBag(rows, dim, mode="sum", sparse=True, storage=storage)
-    optim.fuse(optim.RowWiseAdagrad(table, lr=0.05))
-    _warm(table.tier.file.path)
+    table = _trained_bag(tmp_path)
     shardvar.save({"emb": table}, tmp_path / "ckpt")
     go = threading.Event()
     prefetch = RowCache.prefetch

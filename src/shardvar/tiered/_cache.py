@@ -342,9 +342,8 @@ class RowCache:
 
     def prefetch(self, ids: torch.Tensor, limit: int, since: int) -> int:
         """Ready a coming batch's ``ids`` while another computes (rows brought or read): resolved ahead while the file
-        is mapped (``_ahead``; ``since``: ``ahead_since``), else up to ``limit`` read ahead; not once let go."""
-        if self.pins.retired:
-            return 0
+        is mapped (``_ahead``; ``since``: ``ahead_since``), else up to ``limit`` read ahead; nothing once let go
+        (each path checks ``Pins.retired`` under the cache's lock)."""
         return resolve_ahead(self, ids, since) if self.file.mapped.active else self.stage(ids, limit)
 
     def mark_dirty(self, slots: torch.Tensor) -> None:
