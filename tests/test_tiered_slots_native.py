@@ -82,6 +82,40 @@ def test_the_native_select_is_what_sorting_gives(kernel, values, spread, wide, d
         assert smallest(priority, k, above).tolist() == expected
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(4097, 30000),  # past the select's sample of 4096 values: its guess can be off, and is checked
+    pattern=st.sampled_from(["random", "periodic", "ascending", "descending", "runs"]),
+    distinct=st.sampled_from([1, 2, 3, 40, 5000, 1 << 30]),
+    wide=st.booleans(),
+    data=st.data(),
+)
+def test_the_native_select_of_many_values_is_what_sorting_gives(kernel, n, pattern, distinct, wide, data):
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    base = data.draw(st.sampled_from([0, 1000, 2**31 - (1 << 30) - 2]))
+    position = torch.arange(n, dtype=torch.int64)
+    values = {
+        "random": torch.randint(0, distinct, (n,), generator=g),
+        "periodic": position % data.draw(st.sampled_from([2, 7, 4096, n // 3 + 1])) % distinct,
+        "ascending": position * distinct // n,
+        "descending": (n - 1 - position) * distinct // n,
+        "runs": (position // data.draw(st.integers(1, 500))) % distinct,
+    }[pattern] + base
+    skip = (torch.rand(n, generator=g) < data.draw(st.sampled_from([0.0, 0.01, 0.5]))).nonzero().squeeze(1)
+    masked = base + data.draw(st.sampled_from([0, distinct // 2, distinct + 1]))
+    above = base + data.draw(st.sampled_from([1, 2, distinct // 2 + 1, distinct, distinct + 2]))
+    seen = values.clone()
+    seen[skip] = masked
+    eligible = int((seen < above).sum())
+    k = data.draw(st.sampled_from([1, 2, max(1, eligible // 100), eligible // 2, eligible, eligible + 1, n]))
+    t = values.to(torch.int64 if wide else torch.int32)
+    below, chosen = kernel.smallest(t, k, above, skip.to(torch.int32), masked)
+    assert below == eligible
+    order = torch.sort(seen, stable=True).indices  # by value, ties by position
+    expected = order[:k].sort().values if 0 < k <= eligible else order[:0]
+    assert torch.equal(chosen, expected)
+
+
 def test_the_native_select_refuses_skipped_positions_out_of_order(kernel):
     values = torch.zeros(8, dtype=torch.int32)
     for skip in ([3, 2], [1, 1], [8], [-1]):
@@ -111,6 +145,30 @@ def test_the_native_look_up_gives_the_torch_slots_and_undoes_its_marks(kernel, d
     assert torch.equal(used, expected) and looked.hit.numel() == int((expected == 10).sum())
     looked.undo(used)
     assert torch.equal(used, before)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), wide=st.booleans())
+def test_the_native_look_up_of_a_long_batch_gives_the_torch_slots(kernel, data, wide):
+    # Batches longer than the distance the kernel fetches ahead (ids and the slots' steps), repeats included
+    rows, capacity = data.draw(st.integers(50, 400)), data.draw(st.integers(1, 200))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    index = DirectSlots(rows, capacity)
+    held = torch.randperm(rows, generator=g)[:capacity]
+    index.insert(held, torch.randperm(capacity, generator=g)[: held.numel()])
+    if wide:
+        index.table = index.table.to(torch.int64)
+    ids = torch.randint(0, rows, (data.draw(st.integers(65, 3000)),), generator=g)
+    used = torch.randint(0, 9, (capacity,), generator=g, dtype=torch.int32)
+    before = used.clone()
+    looked = kernel.lookup(index.table, ids, used, 10)
+    slot = index.find(ids)
+    assert torch.equal(looked.slot, slot) and torch.equal(looked.missed_ids, ids[slot < 0])
+    assert torch.equal(used, before.clone().index_fill_(0, slot[slot >= 0], 10))
+    bad = ids.clone()
+    bad[data.draw(st.integers(0, ids.numel() - 1))] = rows  # out of range, anywhere: nothing stays changed
+    kept = before.clone()
+    assert kernel.lookup(index.table, bad, before, 10) is None and torch.equal(before, kept)
 
 
 def test_the_native_look_up_leaves_ids_or_slots_out_of_range_to_torch(kernel):

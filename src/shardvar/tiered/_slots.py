@@ -17,7 +17,7 @@ linear: no probing loop, no sort of the slots.
 * :func:`smallest` finds the ``k`` slots of least priority (ties: lower slot) by a radix select
   over ``torch.bincount`` (16 bits a pass, one pass when priorities span fewer than 65536
   values, as steps do), where a sort of the slots would cost ten times as much per step. The
-  native select (``_slots_native``) gives the same positions in three passes and no copy.
+  native select (``_slots_native``) gives the same positions in two or three passes and no copy.
 """
 
 from __future__ import annotations

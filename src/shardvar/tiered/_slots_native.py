@@ -5,7 +5,8 @@ of millions of rows and picks its victims among ~400k slots. In torch that is a 
 batch (a gather, a widening, masks, a scatter of the hits' step, counts) and, for the victims, a
 copy of the slots' steps, two scatters into it and a radix select over ``bincount``: each op a
 pass and an allocation. :meth:`Kernel.lookup` makes one pass over the ids, :meth:`Kernel.smallest`
-three over the steps, allocating nothing of the cache's size.
+two or three over the steps (a counting pass checks a sampled guess of the k-th smallest: 0.6 ms
+at 400k slots, against 1.8 for its radix passes), allocating nothing of the cache's size.
 
 They are compiled on first use and cached (:mod:`shardvar._native`); without them (no compiler,
 ``SHARDVAR_NATIVE=0``, tensors they do not take) the torch ops run, with the same results.
