@@ -7,17 +7,16 @@ slot holds an id, and which rows leave when room is needed (an LRU or LFU policy
 slot), is ``_slots``' bookkeeping: a gather and a scatter per step, and a linear radix select
 (``_lookup`` runs it through native kernels where it can).
 
-``resolve`` brings a batch's ids in: hits are marked used first, so they are never the ones
-evicted for the batch's misses; the victims' changed records are copied out before their slots
-are reused and written by the write-behind thread (``_behind``), or here when they do not fit its
-area; the misses are read from the file in concurrent reads.
+``resolve`` brings a batch's ids in: hits are marked used first, so they are never the ones evicted for the
+batch's misses; the victims' changed records are copied out before their slots are reused and written by the
+write-behind thread (``_behind``), or here when they do not fit its area; the misses are read from the file in
+concurrent reads (while the file is mapped, victims and misses move in one native pass: ``_swap``).
 
 Where a row is written back: where the index keeps a place per row (``_slots.DirectSlots``) and the file has
-spare records, into the next free record of the file's log (``_log.RecordLog``): a step's write-backs are one
-sequential write, not a random page write each (while the page cache holds the file and a mapping of it takes
-writes, each row goes back to its own place instead: a scatter, with nothing for the log to clean). The records
-are then out of row order (``places_of`` says where each row is; ``TieredRows`` puts them back in order before a
-checkpoint maps the file). Records pass between the file and the slots through one staging area allocated once
+spare records, into the next free record of the file's log (``_log.RecordLog``): one sequential write a step, not
+a random page write each (while a mapping of the file takes writes, each row goes back to its own place instead:
+a scatter, nothing for the log to clean). The records are then out of row order (``places_of`` says where each
+row is; ``TieredRows`` puts them back in order before a checkpoint maps the file). Records pass between the file and the slots through one staging area allocated once
 (counted in ``nbytes``, as the write-behind area is), so no buffer of a batch's size is ever allocated besides
 the slots. Rows used at or after ``protect_since`` are never evicted: which those are for batches in flight (a
 pending backward's, a batch resolved ahead by the ``Prefetcher`` while another computes) is ``_ahead.Pins``'s
@@ -42,6 +41,7 @@ from ._log import RecordLog
 from ._lookup import look_up
 from ._native import fill_at, scatter_rows
 from ._slots import slot_index
+from ._swap import swap_in
 from ._transit import CacheStats, Staged, read_ahead
 
 __all__ = ["RowCache", "CacheStats", "POLICIES", "STAGING_ROWS"]
@@ -190,13 +190,14 @@ class RowCache:
         self.stats.hits += hits
         if new_ids.numel() == 0:
             return slot
-        if chosen is not None:
-            self._evict(chosen)  # (the log's cleaning may move the misses' records: their places are read after)
-        places = self.index.places(new_ids)
-        new_slots = self.free[: new_ids.numel()].to(torch.int64)
-        self._bring(new_slots, new_ids, places)
-        self.free = self.free[new_ids.numel() :].clone()  # not a view: the first fill's arange is let go
-        self.index.insert(new_ids, new_slots)
+        new_slots = swap_in(self, chosen, new_ids)  # (while the file is mapped: one native pass; else these steps)
+        if new_slots is None:
+            if chosen is not None:
+                self._evict(chosen)  # (the log's cleaning may move the misses' records: their places are read after)
+            new_slots = self.free[: new_ids.numel()].to(torch.int64)
+            self._bring(new_slots, new_ids, self.index.places(new_ids))
+            self.free = self.free[new_ids.numel() :].clone()  # not a view: the first fill's arange is let go
+            self.index.insert(new_ids, new_slots)
         # a read-ahead set whose rows are all in the slots now is spent: kept, it would go on collecting the ids
         # that move (``move``) for as long as no read-ahead replaces it
         self._staged = [t for t in self._staged if t.records is None or bool((self.index.find(t.ids) < 0).any())]

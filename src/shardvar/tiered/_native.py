@@ -31,7 +31,7 @@ from .. import _native
 __all__ = ["Kernel", "copy_rows", "fill_at", "kernel", "move_fields", "scatter_rows", "short_transfer"]
 
 SOURCE = Path(__file__).with_name("_native_io.c")
-_ABI = 4  # sv_abi_version() of the source this module calls
+_ABI = 5  # sv_abi_version() of the source this module calls
 _SHORT = -1  # sv_transfer's code for a read at the end of the file (or a write of nothing)
 _lock = threading.Lock()
 _loaded: dict[str, Kernel | None] = {}  # "kernel": this process's answer, once
@@ -67,6 +67,12 @@ class Kernel:
                          c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int)  # fmt: skip
         move.restype = c.c_int64
         self._move = move
+        swap = library.sv_swap_rows
+        p, i64 = c.c_void_p, c.c_int64
+        swap.argtypes = (p, c.c_int, i64, p, p, c.c_int, p, p, p, i64, p, i64, p, i64, p, i64, c.c_int32, p, i64, i64,
+                         i64, p, p, p, p, p, p)  # fmt: skip
+        swap.restype = i64
+        self._swap = swap
 
     def move_fields(self, records: torch.Tensor, places: torch.Tensor, slots: torch.Tensor,
                     fields: list[tuple[torch.Tensor, int]], write: bool) -> None:  # fmt: skip
@@ -84,6 +90,25 @@ class Kernel:
             if not 0 <= int(places[i]) < records.shape[0]:
                 raise IndexError(f"record {int(places[i])} is out of bounds for {records.shape[0]} records")
             raise IndexError(f"index {int(slots[i])} is out of bounds for dimension 0 with size {slots_n}")
+
+    def swap_rows(self, slots: Slots, victims: torch.Tensor, free: torch.Tensor, ids: torch.Tensor, step: int,
+                  records: torch.Tensor, fields: Fields, out: tuple[torch.Tensor, ...]) -> int | None:  # fmt: skip
+        """``sv_swap_rows`` (see ``_native_io.c``) over a cache's ``slots`` (map, key, home, used, dirty, count) and
+        ``records`` (a mapping of its file), ``out``: (each id's slot, the slots left free). The rows written back, or
+        None where an index is bad (nothing changed: the caller's own path says why)."""
+        c, k = ctypes, len(fields)
+        table, key, home, used, dirty, count = slots
+        base = (c.c_void_p * k)(*(t.data_ptr() for t, _ in fields))
+        stride = (c.c_int64 * k)(*(t.stride(0) * t.element_size() for t, _ in fields))
+        offset = (c.c_int64 * k)(*(at for _, at in fields))
+        width = (c.c_int64 * k)(*(t.shape[1] * t.element_size() for t, _ in fields))
+        done = self._swap(table.data_ptr(), table.dtype == torch.int64, table.numel(), key.data_ptr(), home.data_ptr(),
+                          key.dtype == torch.int64, used.data_ptr(), dirty.data_ptr(),
+                          count.data_ptr() if count.numel() else None, used.numel(), victims.data_ptr(),
+                          victims.numel(), free.data_ptr(), free.numel(), ids.data_ptr(), ids.numel(), step,
+                          records.data_ptr(), records.stride(0), records.shape[0], k, base, stride, offset, width,
+                          out[0].data_ptr(), out[1].data_ptr())  # fmt: skip
+        return None if done < 0 else done
 
     def fill_at(self, dst: torch.Tensor, index: torch.Tensor, value: float | int | bool) -> None:
         """``dst[index] = value`` (see ``fill_at``; the tensors qualified)."""
@@ -192,6 +217,7 @@ def fill_at(dst: torch.Tensor, index: torch.Tensor, value: float | int | bool) -
 
 
 Fields = list[tuple[torch.Tensor, int]]
+Slots = tuple[torch.Tensor, ...]  # a row cache's map, key, home, used, dirty and count (``swap_rows``)
 
 
 def move_fields(

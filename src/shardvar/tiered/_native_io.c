@@ -14,7 +14,9 @@
  * file (or its staging area), a memcpy a row where torch's index_copy_ moves one element at a time;
  * sv_fill_at sets the elements at a batch's indices (index_fill_ costs ~7 ns an index on a cache's flags);
  * sv_move_fields moves a row's fields (its values and its state, in arrays of their own) between its slot
- * and its record in one pass, where a pass per field walks the mapping's pages (and their TLB misses) twice.
+ * and its record in one pass, where a pass per field walks the mapping's pages (and their TLB misses) twice;
+ * sv_swap_rows is a row cache's eviction and misses in one call while its file is mapped (RowCache's evict
+ * and bring: a dozen torch ops over the victims and the misses, ~2 ms a step at 6k misses, each a pass).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -49,7 +51,7 @@ typedef struct {
     pthread_mutex_t lock;
 } job;
 
-int sv_abi_version(void) { return 4; }
+int sv_abi_version(void) { return 5; }
 
 /* Move all of one piece, blocking; EINTR is retried, a short call continued. */
 static int whole(int fd, int write, int64_t offset, uint8_t *data, int64_t length, int64_t *at) {
@@ -244,4 +246,89 @@ int64_t sv_move_fields(uint8_t *records, int64_t record_stride, int64_t places, 
         }
     }
     return 0;
+}
+
+#define ENTRY(p, wide, i) ((wide) ? ((const int64_t *)(p))[i] : (int64_t)((const int32_t *)(p))[i])
+#define SET(p, wide, i, v) ((wide) ? (void)(((int64_t *)(p))[i] = (v)) : (void)(((int32_t *)(p))[i] = (int32_t)(v)))
+
+/* Fields f < nfields between record `at` and slot s (see sv_move_fields): into the record where out. */
+static void move_row(uint8_t *records, int64_t record_stride, int64_t at, int64_t s, int64_t nfields,
+                     uint8_t *const *base, const int64_t *stride, const int64_t *offset, const int64_t *width,
+                     int out) {
+    uint8_t *record = records + at * record_stride;
+    for (int64_t f = 0; f < nfields; f++) {
+        uint8_t *row = base[f] + s * stride[f];
+        if (out)
+            memcpy(record + offset[f], row, (size_t)width[f]);
+        else
+            memcpy(row, record + offset[f], (size_t)width[f]);
+    }
+}
+
+/* A row cache's misses brought in, in one pass, while its file is mapped for writes (RowCache's evict and
+   bring, the rows at their own places): the victims (ascending slots) give up their rows, the changed ones
+   (dirty) written to their homes; then the n new rows (distinct ids, none held: the map holds -1 - place)
+   are read from their records into the slots taken, ascending, from the free ones (ascending) merged with
+   the victims; each slot's key, home, step (used), use count (count, where not NULL) and dirty flag set, the
+   map pointing at it. key and home are int64 where wide_slots, else int32; the map likewise (wide_map).
+   slots_out: each id's slot; free_out: the slots left free, ascending. Returns the rows written back, or
+   -1 - i for the first bad index i (victims, then free slots, then ids: out of range, out of order, an id
+   held or its place out of range; or n > free + victims): then nothing changed. */
+int64_t sv_swap_rows(void *map, int wide_map, int64_t rows, void *key, void *home, int wide_slots, int32_t *used,
+                     uint8_t *dirty, int32_t *count, int64_t capacity, const int64_t *victims, int64_t nvictims,
+                     const int32_t *free_slots, int64_t nfree, const int64_t *ids, int64_t n, int32_t step,
+                     uint8_t *records, int64_t record_stride, int64_t places, int64_t nfields, uint8_t *const *base,
+                     const int64_t *stride, const int64_t *offset, const int64_t *width, int64_t *slots_out,
+                     int32_t *free_out) {
+    for (int64_t i = 0; i < nvictims; i++) {
+        int64_t v = victims[i], k = v >= 0 && v < capacity ? ENTRY(key, wide_slots, v) : -1;
+        int64_t h = k >= 0 ? ENTRY(home, wide_slots, v) : -1;
+        if (k < 0 || k >= rows || h < 0 || h >= places || (i && v <= victims[i - 1]))
+            return -1 - i;
+    }
+    for (int64_t i = 0; i < nfree; i++)
+        if (free_slots[i] < 0 || free_slots[i] >= capacity || (i && free_slots[i] <= free_slots[i - 1]))
+            return -1 - (nvictims + i);
+    for (int64_t i = 0; i < n; i++) {
+        int64_t id = ids[i], entry = id >= 0 && id < rows ? ENTRY(map, wide_map, id) : 0;
+        if (entry >= 0 || -1 - entry >= places || (i && id <= ids[i - 1]) || n > nfree + nvictims)
+            return -1 - (nvictims + nfree + i);
+    }
+    int64_t written = 0;
+    for (int64_t i = 0; i < nvictims; i++) {
+        int64_t v = victims[i], h = ENTRY(home, wide_slots, v);
+        if (i + AHEAD < nvictims && dirty[victims[i + AHEAD]]) {
+            __builtin_prefetch(records + ENTRY(home, wide_slots, victims[i + AHEAD]) * record_stride, 1);
+            __builtin_prefetch(base[0] + victims[i + AHEAD] * stride[0]);
+        }
+        if (dirty[v]) {
+            move_row(records, record_stride, h, v, nfields, base, stride, offset, width, 1);
+            dirty[v] = 0;
+            written++;
+        }
+        SET(map, wide_map, ENTRY(key, wide_slots, v), -1 - h);
+        SET(key, wide_slots, v, -1);
+    }
+    int64_t a = 0, b = 0, taken = 0; /* the free slots and the victims, merged: the first n taken */
+    while (a < nfree || b < nvictims) {
+        int64_t s = b >= nvictims || (a < nfree && free_slots[a] < victims[b]) ? free_slots[a++] : victims[b++];
+        if (taken < n)
+            slots_out[taken++] = s;
+        else
+            free_out[a + b - 1 - n] = (int32_t)s;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n)
+            __builtin_prefetch(records + (-1 - ENTRY(map, wide_map, ids[i + AHEAD])) * record_stride);
+        int64_t s = slots_out[i], at = -1 - ENTRY(map, wide_map, ids[i]);
+        move_row(records, record_stride, at, s, nfields, base, stride, offset, width, 0);
+        SET(key, wide_slots, s, ids[i]);
+        SET(home, wide_slots, s, at);
+        SET(map, wide_map, ids[i], s);
+        used[s] = step;
+        dirty[s] = 0;
+        if (count)
+            count[s] = 1;
+    }
+    return written;
 }
