@@ -16,12 +16,12 @@ Where a row is written back: where the index keeps a place per row (``_slots.Dir
 spare records, into the next free record of the file's log (``_log.RecordLog``): one sequential write a step, not
 a random page write each (while a mapping of the file takes writes, each row goes back to its own place instead:
 a scatter, nothing for the log to clean). The records are then out of row order (``places_of`` says where each
-row is; ``TieredRows`` puts them back in order before a checkpoint maps the file). Records pass between the file and the slots through one staging area allocated once
-(counted in ``nbytes``, as the write-behind area is), so no buffer of a batch's size is ever allocated besides
-the slots. Rows used at or after ``protect_since`` are never evicted: which those are for batches in flight (a
-pending backward's, a batch resolved ahead by the ``Prefetcher`` while another computes) is ``_ahead.Pins``'s
-rule alone. Everything is checked before anything moves: a batch whose distinct rows do not fit raises and
-changes nothing.
+row is; ``TieredRows`` puts them back in order before a checkpoint maps the file). Records pass between the
+file and the slots through one staging area allocated once (counted in ``nbytes``, as the write-behind area is),
+so no buffer of a batch's size is ever allocated besides the slots. Rows used at or after ``protect_since`` are
+never evicted: which those are for batches in flight (a pending backward's, a batch resolved ahead by the
+``Prefetcher`` while another computes) is ``_ahead.Pins``'s rule alone. Everything is checked before anything
+moves: a batch whose distinct rows do not fit raises and changes nothing.
 """
 
 from __future__ import annotations
