@@ -67,6 +67,7 @@ def _assert_same(a: RowCache, b: RowCache) -> None:
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert torch.equal(a.index.table, b.index.table) and a.stats == b.stats
     assert (a.file.bytes_read, a.file.bytes_written) == (b.file.bytes_read, b.file.bytes_written)
+    assert (a.file.mapped.gathers, a.file.mapped.scatters) == (b.file.mapped.gathers, b.file.mapped.scatters)
 
 
 @pytest.mark.parametrize("capacity", [13, 24, 40])  # (the direct map: a place per row)

@@ -92,6 +92,8 @@ class MappedRecords:
         self.writable = False  # whether the mapping takes writes too (see the module docstring)
         self._next_check = 0.0  # (monotonic seconds) the first read asks
         self._lock = threading.Lock()  # a gather and a release or close: the mapping stays while a gather reads it
+        self._holder: int | None = None  # the thread inside a pass (``_through``), holding ``_lock``
+        self._closing = self._releasing = False  # asked by that thread inside its pass: done once the pass is
         self.gathers = self.scatters = 0  # reads and writes served through the mapping
 
     @property
@@ -114,28 +116,41 @@ class MappedRecords:
         takes writes now; False (nothing done) where it does not: the caller writes them with system calls."""
         return self.move(ids, lambda view: scatter_rows(view, ids, records), write=True)
 
-    def move(self, ids: torch.Tensor, move: Callable[[torch.Tensor], object], write: bool) -> bool:
+    def move(
+        self, ids: torch.Tensor, move: Callable[[torch.Tensor], object], write: bool, *, records: int | None = None,
+        count: bool = True,
+    ) -> bool:  # fmt: skip
         """``move(view)`` (``[records, record_bytes]`` uint8 over the mapping), which reads the records of ``ids``
-        only (or writes them: ``write``), if the mapping takes reads (writes) now; False (nothing done) if not."""
+        only (or writes them: ``write``), if the mapping takes reads (writes) now; False (nothing done) if not.
+        ``records``: how many it moves (default ``ids``'s; the faults it may take before the mapping is let go).
+        ``count``: counted as a gather or scatter here (else the caller counts what it did)."""
         if write and not self.takes_writes:
             return False
         if not write and (not self.enabled or (self._view is None and not self._check())):
             return False
-        return self._through(ids, move, write)
+        return self._through(ids.numel() if records is None else records, move, write, count)
 
-    def _through(self, ids: torch.Tensor, move: Callable[[torch.Tensor], object], write: bool) -> bool:
+    def _through(self, records: int, move: Callable[[torch.Tensor], object], write: bool, count: bool) -> bool:
         with self._lock:
             if self._view is None or (write and not self.writable):
                 return False
             if self._cut_short():
                 self._release()  # (a file cut short under the mapping: its system calls say how)
                 return False
-            before = _major_faults()
-            move(self._view)
-            self.scatters += write
-            self.gathers += not write
-            if _major_faults() - before > max(8, ids.numel() // 256):  # the page cache no longer holds the file
-                self._release()
+            self._holder = threading.get_ident()
+            try:
+                before = _major_faults()
+                move(self._view)
+                self.scatters += write and count
+                self.gathers += not write and count
+                if _major_faults() - before > max(8, records // 256):  # the page cache no longer holds the file
+                    self._release()
+            finally:
+                self._holder = None
+                if self._releasing or self._closing:  # (asked on this thread inside ``move``: see ``close``)
+                    self._releasing = False
+                    self._release()
+                    self.enabled = not self._closing and self.enabled
         return True
 
     def _cut_short(self) -> bool:
@@ -183,6 +198,9 @@ class MappedRecords:
 
     def release(self) -> None:
         """Go back to system-call reads until the next check, dropping the mapped pages from the process."""
+        if self._holder == threading.get_ident():
+            self._releasing = True  # (inside this thread's own pass, as ``close``: released once it is done)
+            return
         with self._lock:
             self._release()
 
@@ -194,7 +212,11 @@ class MappedRecords:
             self._map = None
 
     def close(self) -> None:
-        """Unmap for good (the file is closing)."""
+        """Unmap for good (the file is closing). Asked on the thread inside a pass (a table collected there by the
+        garbage collector lets its file go), the pass unmaps on its way out: its lock is this thread's already."""
+        if self._holder == threading.get_ident():
+            self._closing = True
+            return
         with self._lock:
             self._release()
             self.enabled = False

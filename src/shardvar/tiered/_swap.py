@@ -46,12 +46,14 @@ def swap_in(cache: Any, chosen: torch.Tensor | None, ids: torch.Tensor) -> torch
         written[0] = kernel.swap_rows(slots, victims, cache.free, ids, cache.step, view, fields, out)
 
     cache.behind.wait()  # (a write still in flight goes first, as ``_write_back`` has it)
-    if left < 0 or not file.mapped.move(ids, swap, write=True) or written[0] is None:
+    moved = ids.numel() + victims.numel()  # (at most: the faults it may take before the mapping is let go)
+    if left < 0 or not file.mapped.move(ids, swap, True, records=moved, count=False) or written[0] is None:
         return None
     record = cache.layout.record_bytes
     file.bytes_written += written[0] * record
     file.bytes_read += ids.numel() * record
-    file.mapped.gathers += bool(ids.numel())
+    file.mapped.gathers += bool(ids.numel())  # (as the cache's own steps count: a read, and a write if any)
+    file.mapped.scatters += bool(written[0])
     cache.free = out[1]
     cache.stats.evictions += victims.numel()
     cache.stats.written_back += written[0]
