@@ -173,3 +173,35 @@ def test_loading_a_checkpoint_lets_the_old_cache_go(tmp_path):
     assert old.pins.retired and tiered.cache is not old and not tiered.cache.pins.retired
     tiered.close()
     assert tiered.cache.pins.retired
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_the_loop_body_gives_the_resolve_ahead_one_intra_op_thread(tmp_path, monkeypatch, share):
+    """While the next batch is resolved ahead (CPU work, the file mapped), the body runs with one intra-op thread
+    fewer (``share_cores``), the count restored after each step, after the loop, and when the loop is left early;
+    the last batch, with nothing resolved behind it, and a file read ahead (on the disk: I/O) keep them all."""
+    monkeypatch.setattr(mapped_module, "RECHECK_S", 0.0)
+    f = _cached_file(tmp_path, layout=RecordLayout(200, 3, "float32", 1))
+    f.read(torch.tensor([0]))
+    cache = RowCache(f, 60, "lru")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        batches = _distinct_batches(200, 5, 12, seed=8)
+        seen = [torch.get_num_threads() for _ in Prefetcher(batches, lambda b: [(cache, b)], share_cores=share)]
+        assert seen == ([2, 2, 2, 2, 3] if share else [3] * 5) and torch.get_num_threads() == 3
+        for _ in Prefetcher(batches, lambda b: [(cache, b)], share_cores=share):
+            break  # (the generator is closed at the yield)
+        assert torch.get_num_threads() == 3
+        f.mapped.release()
+        f.mapped._next_check = float("inf")  # on the disk from here: records read ahead, no resolve
+        assert [torch.get_num_threads() for _ in Prefetcher(batches, lambda b: [(cache, b)])] == [3] * 5
+    finally:
+        torch.set_num_threads(threads)
+        cache.close()
+        f.close()
+
+
+def test_share_cores_must_be_a_bool():
+    with pytest.raises(shardvar.ShardvarTypeError, match="share_cores"):
+        Prefetcher([], lambda b: [], share_cores="yes")
