@@ -8,6 +8,7 @@ apply, or the kernel refuses an index, nothing changes and the cache's own steps
 
 from __future__ import annotations
 
+import copy
 import shutil
 
 import pytest
@@ -107,7 +108,8 @@ def test_it_does_not_apply_where_the_file_is_not_mapped_for_writes(tmp_path, mon
 
 
 def test_an_index_the_kernel_refuses_changes_nothing(tmp_path, monkeypatch):
-    """A new id already held, a victim out of range, ids out of order: None, every slot and the file as they were."""
+    """A new id already held, a victim out of range, ids out of order: None, every slot, count and the file as they
+    were."""
     monkeypatch.setattr(mapped_module, "RECHECK_S", 0.0)
     layout = RecordLayout(50, 3, "float32", 1)
     with _cached_file(tmp_path, layout=layout) as f:
@@ -118,6 +120,7 @@ def test_an_index_the_kernel_refuses_changes_nothing(tmp_path, monkeypatch):
         assert f.mapped.takes_writes
         records = f.read(torch.arange(50))
         before = {name: getattr(cache, name).clone() for name in FIELDS}
+        counts = (f.mapped.gathers, f.mapped.scatters, f.bytes_read, f.bytes_written, copy.copy(cache.stats))
         table = cache.index.table.clone()
         for victims, ids in (
             (torch.tensor([0, 1]), torch.tensor([3, 20])),  # 3 is held
@@ -128,5 +131,7 @@ def test_an_index_the_kernel_refuses_changes_nothing(tmp_path, monkeypatch):
         ):
             assert swap_in(cache, victims, ids) is None
             assert all(torch.equal(getattr(cache, name), before[name]) for name in FIELDS)
+            assert (f.mapped.gathers, f.mapped.scatters, f.bytes_read, f.bytes_written, cache.stats) == counts
             assert torch.equal(cache.index.table, table) and torch.equal(f.read(torch.arange(50)), records)
+            counts = (f.mapped.gathers, f.mapped.scatters, f.bytes_read, f.bytes_written, counts[4])
         cache.close()

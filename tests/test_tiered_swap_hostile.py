@@ -8,7 +8,6 @@ pass lets its file go without waiting for the lock that pass holds (this deadloc
 
 from __future__ import annotations
 
-import copy
 import gc
 import threading
 
@@ -19,8 +18,7 @@ import shardvar
 import shardvar.tiered._cache as cache_module
 import shardvar.tiered._mapped as mapped_module
 from shardvar.tiered import RecordLayout, RowCache, _native, cache_bytes_for
-from shardvar.tiered._swap import swap_in
-from test_tiered_mapped import _cached_file, needs_cachestat
+from test_tiered_mapped import needs_cachestat
 from test_tiered_swap import _pair
 
 pytestmark = [
@@ -58,20 +56,6 @@ def test_a_native_pass_that_writes_no_row_back_counts_no_scatter(tmp_path, monke
     for cache in (native, steps):
         cache.close()
         cache.file.close()
-
-
-def test_a_refused_native_pass_counts_no_scatter(tmp_path, monkeypatch):
-    """An index the kernel refuses leaves everything as it was: the mapping's counts too."""
-    monkeypatch.setattr(mapped_module, "RECHECK_S", 0.0)
-    layout = RecordLayout(50, 3, "float32", 1)
-    with _cached_file(tmp_path, layout=layout) as f:
-        cache = RowCache(f, 10, "lru")
-        cache.resolve(torch.arange(10, dtype=torch.int64))
-        assert f.mapped.takes_writes
-        before = _counts(cache), (f.bytes_read, f.bytes_written), copy.copy(cache.stats)
-        assert swap_in(cache, torch.tensor([0, 1]), torch.tensor([3, 20])) is None  # 3 is held: refused
-        assert (_counts(cache), (f.bytes_read, f.bytes_written), cache.stats) == before
-        cache.close()
 
 
 def test_gc_inside_the_mapped_pass_on_the_prefetch_thread_does_not_deadlock(tmp_path, monkeypatch):

@@ -150,7 +150,7 @@ class MappedRecords:
                 if self._releasing or self._closing:  # (asked on this thread inside ``move``: see ``close``)
                     self._releasing = False
                     self._release()
-                    self.enabled = not self._closing and self.enabled
+                    self.enabled &= not self._closing
         return True
 
     def _cut_short(self) -> bool:

@@ -77,14 +77,9 @@ class Kernel:
     def move_fields(self, records: torch.Tensor, places: torch.Tensor, slots: torch.Tensor,
                     fields: list[tuple[torch.Tensor, int]], write: bool) -> None:  # fmt: skip
         """See ``move_fields`` (the tensors qualified)."""
-        c, k = ctypes, len(fields)
-        base = (c.c_void_p * k)(*(t.data_ptr() for t, _ in fields))
-        stride = (c.c_int64 * k)(*(t.stride(0) * t.element_size() for t, _ in fields))
-        offset = (c.c_int64 * k)(*(at for _, at in fields))
-        width = (c.c_int64 * k)(*(t.shape[1] * t.element_size() for t, _ in fields))
         slots_n = fields[0][0].shape[0]
         bad = self._move(records.data_ptr(), records.stride(0), records.shape[0], places.data_ptr(), places.numel(),
-                         slots.data_ptr(), slots_n, k, base, stride, offset, width, int(write))  # fmt: skip
+                         slots.data_ptr(), slots_n, *_field_arrays(fields), int(write))  # fmt: skip
         if bad:
             i = bad - 1
             if not 0 <= int(places[i]) < records.shape[0]:
@@ -96,17 +91,12 @@ class Kernel:
         """``sv_swap_rows`` (see ``_native_io.c``) over a cache's ``slots`` (map, key, home, used, dirty, count) and
         ``records`` (a mapping of its file), ``out``: (each id's slot, the slots left free). The rows written back, or
         None where an index is bad (nothing changed: the caller's own path says why)."""
-        c, k = ctypes, len(fields)
         table, key, home, used, dirty, count = slots
-        base = (c.c_void_p * k)(*(t.data_ptr() for t, _ in fields))
-        stride = (c.c_int64 * k)(*(t.stride(0) * t.element_size() for t, _ in fields))
-        offset = (c.c_int64 * k)(*(at for _, at in fields))
-        width = (c.c_int64 * k)(*(t.shape[1] * t.element_size() for t, _ in fields))
         done = self._swap(table.data_ptr(), table.dtype == torch.int64, table.numel(), key.data_ptr(), home.data_ptr(),
                           key.dtype == torch.int64, used.data_ptr(), dirty.data_ptr(),
                           count.data_ptr() if count.numel() else None, used.numel(), victims.data_ptr(),
                           victims.numel(), free.data_ptr(), free.numel(), ids.data_ptr(), ids.numel(), step,
-                          records.data_ptr(), records.stride(0), records.shape[0], k, base, stride, offset, width,
+                          records.data_ptr(), records.stride(0), records.shape[0], *_field_arrays(fields),
                           out[0].data_ptr(), out[1].data_ptr())  # fmt: skip
         return None if done < 0 else done
 
@@ -218,6 +208,19 @@ def fill_at(dst: torch.Tensor, index: torch.Tensor, value: float | int | bool) -
 
 Fields = list[tuple[torch.Tensor, int]]
 Slots = tuple[torch.Tensor, ...]  # a row cache's map, key, home, used, dirty and count (``swap_rows``)
+
+
+def _field_arrays(fields: Fields) -> tuple:
+    """The kernels' view of ``fields`` (``(array, byte offset in a record)``): their count, then per field the array's
+    base pointer, row stride, offset in a record and row width in bytes, as C arrays."""
+    c, k = ctypes, len(fields)
+    return (
+        k,
+        (c.c_void_p * k)(*(t.data_ptr() for t, _ in fields)),
+        (c.c_int64 * k)(*(t.stride(0) * t.element_size() for t, _ in fields)),
+        (c.c_int64 * k)(*(at for _, at in fields)),
+        (c.c_int64 * k)(*(t.shape[1] * t.element_size() for t, _ in fields)),
+    )
 
 
 def move_fields(
